@@ -1,0 +1,60 @@
+"""The simplest correct generation: one sequence, greedy, its own small KV pool with a contiguous block
+table. A yardstick for tests (the engine must produce the same tokens) and nothing more."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
+
+
+def _single_sequence_meta(start: int, num_new: int, block_size: int, device: torch.device,
+                          block_table: torch.Tensor) -> AttentionMetadata:
+    seq_len = start + num_new
+    return AttentionMetadata(
+        slot_mapping=torch.arange(start, seq_len, device=device),  # contiguous table: slot == position
+        block_tables=block_table.unsqueeze(0),
+        seq_lens=torch.tensor([seq_len], device=device),
+        seq_lens_host=[seq_len],
+        query_lens_host=[num_new],
+        num_decodes=1 if num_new == 1 else 0,
+        block_size=block_size,
+    )
+
+
+@torch.inference_mode()
+def forward_sequence(model: nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits at every position of one sequence in one prefill: [len(token_ids), vocab] float32."""
+    return _ReferenceRunner(model, len(token_ids), block_size).run(token_ids, 0).float()
+
+
+@torch.inference_mode()
+def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
+                    eos_token_ids: frozenset[int] = frozenset(), block_size: int = 16) -> list[int]:
+    runner = _ReferenceRunner(model, len(prompt_ids) + max_new_tokens, block_size)
+    logits = runner.run(prompt_ids, 0)
+    output: list[int] = []
+    while True:
+        next_id = int(logits[-1].argmax())
+        output.append(next_id)
+        if next_id in eos_token_ids or len(output) == max_new_tokens:
+            return output
+        logits = runner.run([next_id], len(prompt_ids) + len(output) - 1)
+
+
+class _ReferenceRunner:
+    def __init__(self, model: nn.Module, max_len: int, block_size: int):
+        param = next(model.parameters())
+        self.model, self.block_size, self.device = model, block_size, param.device
+        num_blocks = -(-max_len // block_size)
+        bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, param.dtype, param.device))
+        self.block_table = torch.arange(num_blocks, device=param.device)
+
+    def run(self, token_ids: list[int], start: int) -> torch.Tensor:
+        n = len(token_ids)
+        meta = _single_sequence_meta(start, n, self.block_size, self.device, self.block_table)
+        ids = torch.tensor(token_ids, device=self.device)
+        positions = torch.arange(start, start + n, device=self.device)
+        return self.model.compute_logits(self.model(ids, positions, meta))

@@ -1,0 +1,55 @@
+"""Rotary position embedding (the "rotate half" layout Hugging Face checkpoints use)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tinyserve.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position. The cos/sin table is a plain attribute, not a buffer, so that a model
+    built on the meta device and materialized with to_empty() keeps it; it follows q to its device."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None):
+        super().__init__()
+        # Built on the host even inside a `torch.device("meta")` block, then moved once to q's device.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, base, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, head_dim/2]
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]"""
+        if self.cos.device != q.device:
+            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim/2]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

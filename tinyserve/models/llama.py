@@ -1,0 +1,110 @@
+"""The Llama family: Llama 2/3, TinyLlama, SmolLM2, Mistral; Qwen2 and Qwen3 reuse it with their flags.
+
+Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)). GQA attention over the paged KV cache,
+rotary positions, SwiGLU MLP, tied or untied LM head. Knows nothing of requests: it maps flattened
+tokens of many sequences (with their positions and attention metadata) to hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyserve.config import ModelConfig
+from tinyserve.layers.activation import SiluAndMul
+from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers.linear import MergedLinear
+from tinyserve.layers.norm import RMSNorm
+from tinyserve.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection -> (our merged module, shard index); the loader uses this to fill MergedLinears
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden_size]"""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size]; only the positions that are sampled get here."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
