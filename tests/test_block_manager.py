@@ -1,0 +1,289 @@
+"""BlockManager at toy sizes (8 blocks of 4 tokens): exact block ids, ref counts and free-list order."""
+
+import random
+
+import pytest
+
+from tinyserve.engine.block_manager import BlockManager, hash_block
+from tinyserve.types import Request, SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_request(request_id: str, token_ids: list[int]) -> Request:
+    return Request(request_id, list(token_ids), SamplingParams())
+
+
+def compute(bm: BlockManager, request: Request, num_new: int) -> None:
+    """What a step does to a request: its new tokens become computed, full blocks get hashed."""
+    request.num_computed_tokens += num_new
+    bm.cache_full_blocks(request)
+
+
+def admit(bm: BlockManager, request: Request) -> int:
+    """Allocate the whole request, reusing its cached prefix, and compute it. Returns the cached tokens."""
+    num_cached = bm.get_computed_prefix(request)
+    assert bm.allocate_slots(request, request.num_tokens - num_cached, num_cached)
+    request.num_computed_tokens = num_cached
+    compute(bm, request, request.num_tokens - num_cached)
+    return num_cached
+
+
+def refs(bm: BlockManager) -> list[int]:
+    return [bm.ref_count(b) for b in range(bm.num_blocks)]
+
+
+@pytest.fixture
+def bm() -> BlockManager:
+    return BlockManager(8, BLOCK_SIZE, enable_prefix_caching=True, hash_seed="toy-model")
+
+
+def test_allocate_takes_blocks_from_the_front(bm):
+    a = make_request("a", range(10))
+    assert bm.can_allocate(a, 10)
+    assert bm.allocate_slots(a, 10)
+    assert bm.block_table("a") == [0, 1, 2]
+    assert refs(bm) == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7]
+    assert bm.num_free_blocks == 5 and bm.usage == pytest.approx(3 / 8)
+    bm.check_invariants()
+
+
+def test_append_grows_by_one_block_across_the_boundary(bm):
+    a = make_request("a", range(8))
+    assert bm.allocate_slots(a, 8)
+    compute(bm, a, 8)
+    assert bm.block_table("a") == [0, 1]
+    a.output_token_ids.append(100)  # token 9: the first slot of a new block
+    assert bm.allocate_slots(a, 1)
+    assert bm.block_table("a") == [0, 1, 2]
+    compute(bm, a, 1)
+    for token in (101, 102, 103):  # tokens 10..12 fill block 2
+        a.output_token_ids.append(token)
+        assert bm.allocate_slots(a, 1)
+        compute(bm, a, 1)
+    assert bm.block_table("a") == [0, 1, 2]
+    a.output_token_ids.append(104)
+    assert bm.allocate_slots(a, 1)
+    assert bm.block_table("a") == [0, 1, 2, 3]
+    bm.check_invariants()
+
+
+def test_allocation_that_does_not_fit_changes_nothing(bm):
+    a = make_request("a", range(30))
+    assert bm.allocate_slots(a, 30)  # 8 blocks: the whole pool
+    b = make_request("b", range(100, 104))
+    assert not bm.can_allocate(b, 4)
+    assert not bm.allocate_slots(b, 4)
+    assert bm.block_table("b") == [] and bm.num_free_blocks == 0
+    a.output_token_ids += [7, 7, 7]
+    a.num_computed_tokens = 30
+    assert not bm.allocate_slots(a, 3)  # 33 tokens need a 9th block
+    assert bm.block_table("a") == list(range(8))
+    bm.check_invariants()
+
+
+def test_fork_shares_blocks_and_free_order(bm):
+    parent = make_request("p", range(10))
+    admit(bm, parent)
+    assert bm.block_table("p") == [0, 1, 2]
+    child = make_request("c", range(10))
+    bm.fork(parent, child, 2)
+    assert bm.block_table("c") == [0, 1]
+    assert refs(bm)[:3] == [2, 2, 1]
+    child.num_computed_tokens = 8
+    assert bm.allocate_slots(child, 2)  # the child writes its own tail, never a shared block
+    assert bm.block_table("c") == [0, 1, 3]
+    bm.free(parent)
+    assert refs(bm) == [1, 1, 0, 1, 0, 0, 0, 0]
+    assert bm.free_block_ids() == [4, 5, 6, 7, 2]
+    bm.free(child)  # reverse table order: the tail goes before the head
+    assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert refs(bm) == [0] * 8
+    bm.free(child)  # holds nothing any more: a no-op, never a double free
+    bm.check_invariants()
+
+
+def test_prefix_hit_reuses_exact_block_ids(bm):
+    a = make_request("a", range(10))
+    assert admit(bm, a) == 0
+    b = make_request("b", list(range(10)) + [50, 51])
+    assert bm.get_computed_prefix(b) == 8  # a's two full blocks; its third (2 tokens) is not cached
+    assert admit(bm, b) == 8
+    assert bm.block_table("b") == [0, 1, 3]
+    assert refs(bm)[:4] == [2, 2, 1, 1]
+    stats = bm.prefix_stats
+    assert (stats.num_query_blocks, stats.num_hit_blocks) == (2 + 2, 2)
+    assert (stats.num_query_tokens, stats.num_hit_tokens) == (10 + 12, 8)
+    bm.check_invariants()
+
+
+def test_prefix_hit_never_covers_the_whole_prompt(bm):
+    admit(bm, make_request("a", range(8)))
+    # the same 8 tokens: the last one must be computed to get logits, so only the first block is reused
+    assert bm.get_computed_prefix(make_request("b", range(8))) == 4
+    assert bm.get_computed_prefix(make_request("c", range(9))) == 8
+
+
+def test_freed_cached_blocks_are_reused_then_evicted_lru(bm):
+    a = make_request("a", range(8))
+    b = make_request("b", range(100, 108))
+    admit(bm, a)
+    admit(bm, b)
+    assert bm.block_table("a") == [0, 1] and bm.block_table("b") == [2, 3]
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8  # cached blocks count as free
+    assert bm.free_block_ids() == [4, 5, 6, 7, 1, 0, 3, 2]
+    c = make_request("c", range(200, 220))  # 5 fresh blocks: evicts a's tail block 1, least recently freed
+    admit(bm, c)
+    assert bm.block_table("c") == [4, 5, 6, 7, 1]
+    assert bm.get_computed_prefix(make_request("a2", list(range(8)) + [9])) == 4  # block 0 survived
+    b2 = make_request("b2", list(range(100, 108)) + [9])
+    assert admit(bm, b2) == 8
+    assert bm.block_table("b2") == [2, 3, 0]  # block 0 was the only free block left: evicted now
+    assert bm.get_computed_prefix(make_request("a3", list(range(8)) + [9])) == 0
+    bm.check_invariants()
+
+
+def test_taking_cached_free_blocks_counts_against_the_free_pool(bm):
+    a = make_request("a", range(8))
+    admit(bm, a)
+    bm.free(a)
+    assert bm.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    filler = make_request("f", range(300, 324))
+    assert bm.allocate_slots(filler, 24)  # 6 blocks: only a's two cached blocks stay free
+    assert bm.free_block_ids() == [1, 0]
+    longer = make_request("l", list(range(8)) + [5])
+    assert bm.get_computed_prefix(longer) == 8
+    assert not bm.can_allocate(longer, 1, 8)  # both cached blocks + one fresh > 2 free
+    same = make_request("s", range(8))
+    assert bm.get_computed_prefix(same) == 4
+    assert bm.allocate_slots(same, 4, 4)  # takes cached block 0 first, then block 1 fresh (evicting it)
+    assert bm.block_table("s") == [0, 1]
+    assert bm.get_computed_prefix(make_request("x", list(range(8)) + [5])) == 4
+    bm.check_invariants()
+
+
+def test_hashes_chain_over_the_prefix(bm):
+    admit(bm, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    # same second block after a different first block: no match
+    assert bm.get_computed_prefix(make_request("b", [9, 9, 9, 9, 5, 6, 7, 8, 0])) == 0
+    assert bm.get_computed_prefix(make_request("c", [1, 2, 3, 4, 9, 9, 9, 9, 0])) == 4
+    assert hash_block(b"x", [1, 2]) != hash_block(b"y", [1, 2])
+    assert hash_block(b"x", [1, 2]) == hash_block(b"x", [1, 2])
+
+
+def test_hash_seed_separates_models():
+    tokens = list(range(9))
+    first = BlockManager(8, BLOCK_SIZE, True, hash_seed="model-a")
+    second = BlockManager(8, BLOCK_SIZE, True, hash_seed="model-b")
+    admit(first, make_request("a", tokens))
+    admit(second, make_request("a", tokens))
+    assert first._block_hashes[0] != second._block_hashes[0]
+    assert set(first._hash_to_block).isdisjoint(second._hash_to_block)
+
+
+def test_prefix_caching_disabled_never_hashes():
+    bm = BlockManager(8, BLOCK_SIZE, enable_prefix_caching=False, hash_seed="m")
+    admit(bm, make_request("a", range(9)))
+    assert bm.get_computed_prefix(make_request("b", range(9))) == 0
+    assert bm.prefix_stats.num_query_tokens == 0
+    bm.check_invariants()
+
+
+class Simulation:
+    """Drives a BlockManager like a scheduler would and mirrors the KV contents, so a wrong prefix hit or
+    a write into a shared block shows up as a content mismatch."""
+
+    PREFIXES = [list(range(i * 100, i * 100 + 12)) for i in range(3)]
+
+    def __init__(self, seed: int, num_blocks: int = 16):
+        self.rng = random.Random(seed)
+        self.bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True, hash_seed="sim")
+        self.live: dict[str, Request] = {}
+        self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id whose K/V it holds
+        self.next_id = 0
+        self.num_hits = 0
+
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def write(self, request: Request, num_new: int) -> None:
+        table = self.bm.block_table(request.request_id)
+        start = request.num_computed_tokens
+        for pos in range(start, start + num_new):
+            block_id = table[pos // BLOCK_SIZE]
+            assert self.bm.ref_count(block_id) == 1, "write into a shared block"
+            self.kv[(block_id, pos % BLOCK_SIZE)] = request.all_token_ids[pos]
+        compute(self.bm, request, num_new)
+
+    def check_reused(self, request: Request) -> None:
+        table = self.bm.block_table(request.request_id)
+        for pos in range(request.num_computed_tokens):
+            assert self.kv[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] == request.all_token_ids[pos]
+
+    def op_new(self) -> None:
+        prefix = self.rng.choice(self.PREFIXES)[: self.rng.randint(0, 12)]
+        request = make_request(self.new_id(), prefix + [self.rng.randrange(5) for _ in range(self.rng.randint(1, 6))])
+        num_cached = self.bm.get_computed_prefix(request)
+        num_new = self.rng.randint(1, request.num_tokens - num_cached)
+        if self.bm.allocate_slots(request, num_new, num_cached):
+            request.num_computed_tokens = num_cached
+            self.num_hits += num_cached > 0
+            self.check_reused(request)
+            self.live[request.request_id] = request
+            self.write(request, num_new)
+
+    def op_append(self, request: Request) -> None:
+        if request.num_computed_tokens == request.num_tokens:
+            request.output_token_ids.append(self.rng.randrange(5))
+        num_new = self.rng.randint(1, request.num_tokens - request.num_computed_tokens)
+        if self.bm.allocate_slots(request, num_new):
+            self.write(request, num_new)
+
+    def op_fork(self, parent: Request) -> None:
+        child = make_request(self.new_id(), parent.all_token_ids)
+        num_blocks = self.rng.randint(0, min(parent.num_computed_tokens, child.num_tokens - 1) // BLOCK_SIZE)
+        self.bm.fork(parent, child, num_blocks)
+        child.num_computed_tokens = num_blocks * BLOCK_SIZE
+        self.check_reused(child)
+        self.live[child.request_id] = child
+
+    def step(self) -> None:
+        roll = self.rng.random()
+        if roll < 0.3 or not self.live:
+            self.op_new()
+            return
+        request = self.live[self.rng.choice(sorted(self.live))]
+        if roll < 0.7:
+            self.op_append(request)
+        elif roll < 0.8:
+            self.op_fork(request)
+        else:
+            self.bm.free(self.live.pop(request.request_id))
+
+    def check(self) -> None:
+        self.bm.check_invariants()
+        free = self.bm.free_block_ids()
+        assert len(free) == len(set(free)), "a block is on the free list twice"
+        holders = [0] * self.bm.num_blocks
+        for request_id in self.live:
+            for block_id in self.bm.block_table(request_id):
+                holders[block_id] += 1
+        assert holders == refs(self.bm)
+        used = {b for b in range(self.bm.num_blocks) if holders[b]}
+        assert used.isdisjoint(free) and len(used) + len(free) == self.bm.num_blocks
+
+
+def test_randomized_operations_keep_invariants():
+    sim = Simulation(seed=1234)
+    for _ in range(10_000):
+        sim.step()
+        sim.check()
+    assert sim.num_hits > 100  # the mix really exercised the prefix cache
+    for request in list(sim.live.values()):
+        sim.bm.free(request)
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+    sim.bm.check_invariants()

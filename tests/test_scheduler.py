@@ -1,0 +1,391 @@
+"""Scheduler at toy sizes, driven by a fake model that reads its context back from a mirrored KV cache:
+a wrong block table, prefix hit or fork changes the generated tokens."""
+
+import random
+
+import pytest
+
+from tinyserve.config import SchedulerConfig
+from tinyserve.engine.block_manager import BlockManager
+from tinyserve.engine.scheduler import Scheduler
+from tinyserve.types import FinishReason, Request, RequestStatus, SamplingParams, SchedulerOutput
+
+BLOCK_SIZE = 4
+EOS = 2
+
+
+def next_token(context: list[int], salt: int = 0) -> int:
+    """The fake model: deterministic in the token history (and the sample index), never EOS."""
+    return 3 + (sum(t * (i + 1) for i, t in enumerate(context)) * 7 + 13 * salt) % 97
+
+
+def reference(prompt: list[int], max_tokens: int, salt: int = 0) -> list[int]:
+    context = list(prompt)
+    for _ in range(max_tokens):
+        context.append(next_token(context, salt))
+    return context[len(prompt) :]
+
+
+class FakeRunner:
+    """Executes a SchedulerOutput: writes each scheduled token into its (block, slot), then samples from
+    the context read back through the block table."""
+
+    def __init__(self, scheduler: Scheduler, model=next_token):
+        self.scheduler = scheduler
+        self.bm = scheduler.block_manager
+        self.model = model
+        self.kv: dict[tuple[int, int], int] = {}
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        output = self.scheduler.schedule()
+        sampled = {}
+        for request, num_new in output.scheduled:
+            table = self.bm.block_table(request.request_id)
+            start = request.num_computed_tokens
+            for pos in range(start, start + num_new):
+                block_id = table[pos // BLOCK_SIZE]
+                assert self.bm.ref_count(block_id) == 1, "write into a shared block"
+                self.kv[(block_id, pos % BLOCK_SIZE)] = request.all_token_ids[pos]
+            if start + num_new == request.num_tokens:
+                context = [self.kv[(table[p // BLOCK_SIZE], p % BLOCK_SIZE)] for p in range(request.num_tokens)]
+                sampled[request.request_id] = self.model(context, request.index)
+        return output, self.scheduler.update_from_output(output, sampled)
+
+    def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
+        outputs = []
+        while self.scheduler.has_unfinished_requests():
+            outputs.append(self.step()[0])
+            assert len(outputs) < max_steps, "no progress"
+        return outputs
+
+
+def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True, **kw) -> Scheduler:
+    bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching, hash_seed="fake")
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, **kw), bm)
+
+
+def make_request(request_id, prompt, max_tokens=8, priority=0, eos=(), index=0, parent_id=None,
+                 max_total_tokens=None, **params) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(request_id, list(prompt), params, priority=priority, index=index, parent_id=parent_id,
+                   eos_token_ids=frozenset(eos), max_total_tokens=max_total_tokens)
+
+
+def add(scheduler: Scheduler, *requests: Request) -> None:
+    for request in requests:
+        scheduler.add_request(request)
+
+
+def prompt_of(length: int, start: int = 10) -> list[int]:
+    return list(range(start, start + length))
+
+
+def assert_all_free(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and not scheduler.has_unfinished_requests()
+
+
+def test_single_request_runs_to_max_tokens():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt_of(6), max_tokens=5)
+    scheduler.add_request(request)
+    outputs = FakeRunner(scheduler).run()
+    assert [[n for _, n in o.scheduled] for o in outputs] == [[6], [1], [1], [1], [1]]
+    assert request.output_token_ids == reference(prompt_of(6), 5)
+    assert request.finish_reason is FinishReason.LENGTH and request.first_token_time is not None
+    assert scheduler.get_request("a") is None
+    assert_all_free(scheduler)
+
+
+def test_budget_and_seq_cap_hold_every_step():
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=8)
+    requests = [make_request(f"r{i}", prompt_of(3 + 2 * i, i), max_tokens=4 + i) for i in range(7)]
+    add(scheduler, *requests)
+    runner = FakeRunner(scheduler)
+    while scheduler.has_unfinished_requests():
+        output, _ = runner.step()
+        assert output.num_batched_tokens == sum(n for _, n in output.scheduled) <= 8
+        assert len(output.scheduled) <= 3 and scheduler.num_running <= 3
+    for i, request in enumerate(requests):
+        assert request.output_token_ids == reference(prompt_of(3 + 2 * i, i), 4 + i)
+    assert_all_free(scheduler)
+
+
+def test_long_prompt_is_chunked_while_decodes_go_first_every_step():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    decoders = [make_request(f"d{i}", prompt_of(3, 50 * i), max_tokens=20) for i in range(2)]
+    add(scheduler, *decoders)
+    runner = FakeRunner(scheduler)
+    runner.step()  # both prompts in one step
+    long = make_request("long", prompt_of(40), max_tokens=2)
+    scheduler.add_request(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        output, _ = runner.step()
+        assert [(r.request_id, n) for r, n in output.scheduled[:2]] == [("d0", 1), ("d1", 1)]
+        chunks.append(dict((r.request_id, n) for r, n in output.scheduled)["long"])
+    assert chunks == [6, 6, 6, 6, 6, 6, 4]
+    scheduler.add_request(make_request("late", prompt_of(20, 7), max_tokens=1))
+    output, _ = runner.step()
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("d0", 1), ("d1", 1), ("long", 1), ("late", 5)]
+    output, _ = runner.step()  # long finished; late is mid-prompt, still after the decodes
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("d0", 1), ("d1", 1), ("late", 6)]
+    runner.run()
+    assert long.output_token_ids == reference(prompt_of(40), 2)
+    assert_all_free(scheduler)
+
+
+def test_admission_by_priority_then_fcfs():
+    scheduler = make_scheduler(max_num_seqs=1)
+    for request_id, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", 2)]:
+        scheduler.add_request(make_request(request_id, prompt_of(3), max_tokens=1, priority=priority))
+    order = [o.scheduled[0][0].request_id for o in FakeRunner(scheduler).run()]
+    assert order == ["b", "d", "c", "a", "e"]
+
+
+def test_preemption_by_recompute_keeps_tokens_and_matches_unconstrained_run():
+    # 6 blocks; each request needs up to 5 (8 prompt + 12 output tokens): the newer one must yield
+    scheduler = make_scheduler(num_blocks=6, prefix_caching=False)
+    a = make_request("a", prompt_of(8, 0), max_tokens=12)
+    b = make_request("b", prompt_of(8, 30), max_tokens=12)
+    c = make_request("c", prompt_of(8, 60), max_tokens=2)
+    add(scheduler, a, b)
+    runner = FakeRunner(scheduler)
+    runner.step()
+    scheduler.add_request(c)  # waits: no free block for its prompt
+    while not scheduler.num_preemptions:
+        tokens_before = list(b.output_token_ids)
+        output, _ = runner.step()
+    assert output.preempted_ids == ["b"] and [r.request_id for r, _ in output.scheduled] == ["a"]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert b.output_token_ids == tokens_before and len(tokens_before) > 0
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # front of its level, before c
+    assert scheduler.block_manager.block_table("b") == []
+    runner.run()
+    assert a.output_token_ids == reference(prompt_of(8, 0), 12)
+    assert b.output_token_ids == reference(prompt_of(8, 30), 12)
+    assert c.output_token_ids == reference(prompt_of(8, 60), 2)
+    assert_all_free(scheduler)
+
+
+def test_preemption_victim_is_lowest_priority_even_if_older():
+    scheduler = make_scheduler(num_blocks=6, prefix_caching=False)
+    low = make_request("low", prompt_of(8, 0), max_tokens=12, priority=1)
+    high = make_request("high", prompt_of(8, 30), max_tokens=12, priority=0)
+    add(scheduler, low, high)
+    runner = FakeRunner(scheduler)
+    preempted = []
+    while scheduler.has_unfinished_requests():
+        preempted += runner.step()[0].preempted_ids
+    assert preempted and set(preempted) == {"low"} and high.num_preemptions == 0
+    assert low.output_token_ids == reference(prompt_of(8, 0), 12)
+    assert_all_free(scheduler)
+
+
+def test_request_needing_the_block_preempts_itself_and_stops():
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=8, prefix_caching=False)
+    low = make_request("low", prompt_of(7, 0), max_tokens=6, priority=1)
+    scheduler.add_request(low)
+    runner = FakeRunner(scheduler)
+    runner.step()  # low: 2 blocks, 8 tokens
+    high = make_request("high", prompt_of(14, 30), max_tokens=2, priority=0)
+    scheduler.add_request(high)
+    output, _ = runner.step()  # low decodes token 8; high's first chunk takes the last 2 blocks
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("low", 1), ("high", 7)]
+    output, _ = runner.step()  # low needs a 3rd block and is itself the lowest priority: it yields, and
+    assert output.preempted_ids == ["low"] and output.is_empty  # the step stops there
+    assert scheduler.waiting == [low] and scheduler.block_manager.num_free_blocks == 2
+    runner.run()
+    assert low.output_token_ids == reference(prompt_of(7, 0), 6)
+    assert high.output_token_ids == reference(prompt_of(14, 30), 2)
+    assert_all_free(scheduler)
+
+
+def test_preempting_a_request_already_scheduled_this_step_gives_its_tokens_back():
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=6, prefix_caching=False)
+    low = make_request("low", prompt_of(4, 0), max_tokens=6, priority=1)
+    scheduler.add_request(low)
+    runner = FakeRunner(scheduler)
+    runner.step()
+    high = make_request("high", prompt_of(12, 30), max_tokens=2, priority=0)
+    scheduler.add_request(high)
+    output, _ = runner.step()
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("low", 1), ("high", 5)]
+    output, _ = runner.step()  # low's decode is scheduled first, then high's chunk needs low's blocks
+    assert output.preempted_ids == ["low"]
+    # the chunk was sized before the refund; the budget no longer counts low's token
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("high", 5)] and output.num_batched_tokens == 5
+    runner.run()
+    assert low.output_token_ids == reference(prompt_of(4, 0), 6)
+    assert_all_free(scheduler)
+
+
+def test_request_that_outgrows_the_whole_pool_finishes_with_length():
+    scheduler = make_scheduler(num_blocks=2)
+    with pytest.raises(ValueError, match="exceeds the KV cache"):
+        scheduler.add_request(make_request("huge", prompt_of(9)))
+    request = make_request("a", prompt_of(6), max_tokens=10)
+    scheduler.add_request(request)
+    outputs = FakeRunner(scheduler).run()
+    assert request.finish_reason is FinishReason.LENGTH and request.num_tokens == 9
+    assert request.output_token_ids == reference(prompt_of(6), 3)
+    assert outputs[-1].finished_ids == ["a"]
+    assert_all_free(scheduler)
+
+
+def test_abort_waiting_and_running_frees_blocks_at_once():
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=1)
+    running = make_request("run", prompt_of(9), max_tokens=10)
+    waiting = make_request("wait", prompt_of(5), max_tokens=10)
+    add(scheduler, running, waiting)
+    runner = FakeRunner(scheduler)
+    runner.step()
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 1
+    assert scheduler.block_manager.num_free_blocks == 5
+    assert scheduler.abort("wait") and not scheduler.abort("wait")
+    assert waiting.finish_reason is FinishReason.ABORT and scheduler.num_waiting == 0
+    assert scheduler.abort("run")
+    assert running.finish_reason is FinishReason.ABORT and running.is_finished
+    assert scheduler.block_manager.num_free_blocks == 8
+    output = scheduler.schedule()
+    assert output.is_empty and output.finished_ids == ["wait", "run"]
+    assert_all_free(scheduler)
+
+
+def test_finishing_from_outside_the_step():
+    scheduler = make_scheduler()
+    stopped, aborted = make_request("a", prompt_of(5)), make_request("b", prompt_of(5, 40))
+    add(scheduler, stopped, aborted)
+    runner = FakeRunner(scheduler)
+    runner.step()
+    assert scheduler.finish_request("a", FinishReason.STOP) and stopped.finish_reason is FinishReason.STOP
+    output = scheduler.schedule()
+    assert output.finished_ids == ["a"] and [r.request_id for r, _ in output.scheduled] == ["b"]
+    scheduler.abort("b")  # while the step runs: update must skip it
+    assert scheduler.update_from_output(output, {"b": 7}) == [] and aborted.num_output_tokens == 1
+    assert_all_free(scheduler)
+
+
+def run_one(model, max_tokens=10, max_model_len=None, **kw) -> Request:
+    scheduler = make_scheduler(max_model_len=max_model_len)
+    request = make_request("a", prompt_of(5), max_tokens=max_tokens, **kw)
+    scheduler.add_request(request)
+    FakeRunner(scheduler, model).run()
+    assert_all_free(scheduler)
+    return request
+
+
+def always(token):
+    return lambda context, salt: token
+
+
+@pytest.mark.parametrize(
+    ("model", "kw", "num_output", "reason"),
+    [
+        (always(EOS), {"eos": {EOS}}, 1, FinishReason.STOP),
+        (always(EOS), {"eos": {EOS}, "min_tokens": 3}, 4, FinishReason.STOP),  # 3 tokens, then EOS counts
+        (always(EOS), {"eos": {EOS}, "ignore_eos": True}, 10, FinishReason.LENGTH),
+        (always(EOS), {"eos": {EOS}, "ignore_eos": True, "stop_token_ids": (EOS,)}, 1, FinishReason.STOP),
+        (always(5), {"stop_token_ids": (5,)}, 1, FinishReason.STOP),
+        (always(5), {"stop_token_ids": (5,), "min_tokens": 2}, 3, FinishReason.STOP),
+        (always(5), {"eos": {EOS}}, 10, FinishReason.LENGTH),
+        (always(5), {"max_total_tokens": 8}, 3, FinishReason.LENGTH),
+        (always(5), {"max_tokens": 4}, 4, FinishReason.LENGTH),
+        (always(5), {"max_model_len": 7}, 2, FinishReason.LENGTH),
+    ],
+)
+def test_finishing_rules(model, kw, num_output, reason):
+    request = run_one(model, **kw)
+    assert request.num_output_tokens == num_output and request.finish_reason is reason
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_samples_fork_the_prompt_blocks(prefix_caching):
+    scheduler = make_scheduler(prefix_caching=prefix_caching)
+    prompt = prompt_of(10)
+    samples = [make_request("s0", prompt, max_tokens=6)]
+    samples += [make_request(f"s{i}", prompt, max_tokens=6, index=i, parent_id="s0") for i in (1, 2)]
+    add(scheduler, *samples)
+    runner = FakeRunner(scheduler)
+    output, _ = runner.step()
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("s0", 10)]  # children wait for the prompt
+    output, _ = runner.step()
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("s0", 1), ("s1", 2), ("s2", 2)]
+    bm = scheduler.block_manager
+    tables = [bm.block_table(r.request_id) for r in samples]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
+    assert [bm.ref_count(b) for b in tables[0]] == [3, 3, 1]
+    assert samples[1].num_cached_tokens == 8
+    runner.run()
+    outputs = [r.output_token_ids for r in samples]
+    assert outputs == [reference(prompt, 6, salt=i) for i in range(3)] and len({tuple(o) for o in outputs}) == 3
+    assert_all_free(scheduler)
+
+
+def test_child_prefills_alone_when_the_parent_is_gone():
+    scheduler = make_scheduler()
+    parent = make_request("p", prompt_of(10), max_tokens=3)
+    child = make_request("c", prompt_of(10), max_tokens=3, index=1, parent_id="p")
+    add(scheduler, parent, child)
+    assert scheduler.abort("p")
+    output, _ = FakeRunner(scheduler).step()
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("c", 10)]
+
+
+def test_prefix_cache_hits_are_counted_and_reused():
+    scheduler = make_scheduler()
+    runner = FakeRunner(scheduler)
+    first = make_request("a", prompt_of(10), max_tokens=2)
+    scheduler.add_request(first)
+    runner.run()
+    second = make_request("b", prompt_of(10) + [99], max_tokens=2)
+    scheduler.add_request(second)
+    output, _ = runner.step()
+    assert [(r.request_id, n) for r, n in output.scheduled] == [("b", 3)]  # 8 of 11 from the cache
+    assert second.num_cached_tokens == 8
+    stats = scheduler.block_manager.prefix_stats
+    assert (stats.num_hit_blocks, stats.num_hit_tokens, stats.num_query_tokens) == (2, 8, 21)
+    runner.run()
+    assert second.output_token_ids == reference(prompt_of(10) + [99], 2)
+    assert_all_free(scheduler)
+
+
+def test_randomized_run_keeps_invariants():
+    rng = random.Random(7)
+    scheduler = make_scheduler(num_blocks=14, max_num_seqs=4, max_num_batched_tokens=10)
+    runner = FakeRunner(scheduler)
+    bases = [prompt_of(12, 100 * i) for i in range(3)]
+    requests, expected, finished, aborted = {}, {}, set(), set()
+    for step in range(1500):
+        if step < 1200 and rng.random() < 0.25:
+            prompt = rng.choice(bases)[: rng.randint(1, 12)] + [rng.randrange(90) for _ in range(rng.randint(0, 6))]
+            n, max_tokens, priority = rng.choice([1, 1, 2, 3]), rng.randint(1, 12), rng.randint(0, 2)
+            for i in range(n):
+                request_id = f"q{step}.{i}"
+                parent = f"q{step}.0" if i else None
+                requests[request_id] = make_request(request_id, prompt, max_tokens, priority, index=i, parent_id=parent)
+                scheduler.add_request(requests[request_id])
+                expected[request_id] = reference(prompt, max_tokens, salt=i)
+        if scheduler.requests and rng.random() < 0.03:
+            victim = rng.choice(sorted(scheduler.requests))
+            assert scheduler.abort(victim)
+            aborted.add(victim)
+        output, changed = runner.step()
+        ids = [r.request_id for r, _ in output.scheduled]
+        assert len(ids) == len(set(ids)) and not finished.intersection(ids)
+        assert output.num_batched_tokens <= 10 and len(ids) <= 4 and scheduler.num_running <= 4
+        finished.update(r.request_id for r in changed if r.is_finished)
+        scheduler.block_manager.check_invariants()
+        for request in scheduler.waiting:
+            assert scheduler.block_manager.block_table(request.request_id) == []
+        for request in scheduler.running:
+            assert request.num_computed_tokens < request.num_tokens
+        assert set(scheduler.requests) == {r.request_id for r in scheduler.waiting + scheduler.running}
+        finished |= aborted
+    assert_all_free(scheduler)
+    assert scheduler.num_preemptions > 0 and scheduler.block_manager.prefix_stats.num_hit_blocks > 0
+    completed = [i for i in expected if i not in aborted]
+    assert len(completed) > 100
+    for request_id in completed:
+        assert request_id in finished and requests[request_id].output_token_ids == expected[request_id]
