@@ -49,6 +49,10 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral-style sliding-window attention: each token sees at most this many previous tokens. The
+    # attention layers do not implement the window, so the engine must cap the context (max_model_len)
+    # at it; within the window, full attention is exact. None: no window.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from tinyserve.config import ModelConfig
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.weights import load_weights
 from tinyserve.models.registry import get_model_class
@@ -81,11 +83,10 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedM
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
     if path.is_dir():
-        from tinyserve.loader.hf import hf_model_config, hf_tensors, hf_ignored
-
         config = hf_model_config(path)
         tokenizer = Tokenizer.from_folder(path)
-        net = build_model(config, hf_tensors(path), torch_dtype, torch_device, ignore=hf_ignored)
+        net = build_model(config, hf_tensors(path), torch_dtype, torch_device,
+                          ignore=partial(hf_ignored, config=config))
     else:
         reader = open_gguf(path)
         config = gguf_model_config(reader)

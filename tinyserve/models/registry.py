@@ -4,16 +4,25 @@ from __future__ import annotations
 
 from torch import nn
 
+from tinyserve.models.gpt2 import GPT2LMHeadModel
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.models.qwen2 import Qwen2ForCausalLM
+from tinyserve.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gpt2": GPT2LMHeadModel,
 }
 
 # config.json `architectures[0]` -> family key
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GPT2LMHeadModel": "gpt2",
 }
 
 

@@ -1,0 +1,286 @@
+"""Every supported architecture against transformers on the same tiny random checkpoint: float32 logits
+through the paged cache within 1e-4, and the same greedy tokens. Checkpoints are written with
+save_pretrained (safetensors) and read back with loader/hf.py; broken folders must fail loudly."""
+
+import json
+import shutil
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from tinyserve.config import ModelConfig
+from tinyserve.engine.reference import forward_sequence, greedy_generate
+from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
+from tinyserve.loader.model_loader import build_model
+
+VOCAB = 300
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=256)
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
+# name -> (transformers config, model class). Small original_max_position_embeddings so that llama3's
+# rescaled band covers the positions used here.
+CASES = {
+    "llama3-untied": (lambda: tf.LlamaConfig(**_SMALL, rope_scaling=_LLAMA3, tie_word_embeddings=False),
+                      tf.LlamaForCausalLM),
+    "llama-linear-tied": (lambda: tf.LlamaConfig(**{**_SMALL, "num_hidden_layers": 3}, tie_word_embeddings=True,
+                                                 rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 10000.0}),
+                          tf.LlamaForCausalLM),
+    "mistral": (lambda: tf.MistralConfig(**_SMALL, sliding_window=4096), tf.MistralForCausalLM),
+    "qwen2": (lambda: tf.Qwen2Config(**_SMALL, tie_word_embeddings=True), tf.Qwen2ForCausalLM),
+    "qwen3": (lambda: tf.Qwen3Config(**_SMALL, head_dim=32, tie_word_embeddings=True), tf.Qwen3ForCausalLM),
+    "gpt2": (lambda: tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_inner=96, vocab_size=VOCAB, n_positions=256,
+                                   bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1), tf.GPT2LMHeadModel),
+}
+SEQ_LENS = (1, 37, 100)
+
+
+def _load(folder: Path) -> torch.nn.Module:
+    config = hf_model_config(folder)
+    return build_model(config, hf_tensors(folder), torch.float32, torch.device("cpu"),
+                       ignore=partial(hf_ignored, config=config))
+
+
+def _save(model: torch.nn.Module, folder: Path, **kwargs) -> Path:
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return folder
+
+
+def _sequences(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in SEQ_LENS]
+
+
+@torch.no_grad()
+def _perturb_vectors(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers initializes biases to 0 and norm weights to 1, which would hide a bias or norm that
+    is loaded into the wrong place: give every 1-d parameter random values."""
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def _make_case(name: str, tmp_path_factory) -> tuple:
+    """(name, transformers model, its checkpoint folder, our model loaded from it)."""
+    make_config, cls = CASES[name]
+    torch.manual_seed(0)
+    hf = _perturb_vectors(cls(make_config()).eval())
+    folder = _save(hf, tmp_path_factory.mktemp(name))
+    return name, hf, folder, _load(folder)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    return _make_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    make_config, cls = CASES["llama3-untied"]
+    torch.manual_seed(1)
+    hf = _perturb_vectors(cls(make_config()).eval())
+    return hf, _save(hf, tmp_path_factory.mktemp("llama"))
+
+
+def test_logits_match_transformers(case):
+    name, hf, _, ours = case
+    for ids in _sequences():
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0].float()  # [len, vocab]
+        diff = (forward_sequence(ours, ids) - expected).abs().max().item()
+        assert diff <= 1e-4, f"{name}: max |ours - transformers| = {diff:.2e} at length {len(ids)}"
+
+
+def test_greedy_matches_transformers_generate(case):
+    name, hf, _, ours = case
+    prompt = _sequences(seed=1)[1][:12]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert greedy_generate(ours, prompt, 16) == expected, name
+
+
+def test_config_flags(case):
+    name, hf, folder, ours = case
+    config = hf_model_config(folder)
+    expected_family = {"llama3-untied": "llama", "llama-linear-tied": "llama", "mistral": "llama"}.get(name, name)
+    assert config.architecture == expected_family
+    assert config.attention_bias == (name == "qwen2")
+    assert config.qk_norm == (name == "qwen3")
+    assert config.tie_word_embeddings == (name in ("llama-linear-tied", "qwen2", "qwen3", "gpt2"))
+    assert config.sliding_window == (4096 if name == "mistral" else None)
+    if name == "qwen3":
+        assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+    if name == "llama3-untied":
+        assert config.rope_scaling.rope_type == "llama3"
+        assert config.rope_scaling.original_max_position_embeddings == 32
+    if name == "gpt2":
+        assert (config.intermediate_size, config.max_position_embeddings, config.hidden_act) == (96, 256, "gelu_new")
+
+
+def test_sharded_checkpoint_loads_identically(llama_folder, tmp_path):
+    hf, folder = llama_folder
+    sharded = _save(hf, tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    ids = _sequences()[2]
+    assert torch.equal(forward_sequence(_load(sharded), ids), forward_sequence(_load(folder), ids))
+
+
+def test_gpt2_original_names_load(tmp_path_factory, tmp_path):
+    """openai-community/gpt2 was saved from GPT2Model: no `transformer.` prefix, causal-mask buffers."""
+    _, _, folder, ours = _make_case("gpt2", tmp_path_factory)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(folder / "model.safetensors").items()}
+    tensors["h.0.attn.bias"] = torch.ones(1, 1, 256, 256)
+    tensors["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = _sequences()[1]
+    assert torch.equal(forward_sequence(_load(tmp_path), ids), forward_sequence(ours, ids))
+
+
+def _copy(folder: Path, dest: Path) -> Path:
+    shutil.copytree(folder, dest)
+    return dest
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _expect_error(folder: Path, *fragments: str) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        _load(folder)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_folder_without_config(llama_folder, tmp_path):
+    _, folder = llama_folder
+    (tmp_path / "w").mkdir()
+    shutil.copy(folder / "model.safetensors", tmp_path / "w" / "model.safetensors")
+    _expect_error(tmp_path / "w", "no config.json")
+
+
+def test_truncated_safetensors(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) * 2 // 3])
+    _expect_error(bad, "model.safetensors", "not a readable safetensors file")
+
+
+def test_missing_tensor(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    _edit_tensors(bad, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    _expect_error(bad, "missing", "model.layers.1.mlp.down_proj.weight")
+
+
+def test_unexpected_tensor(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    _edit_tensors(bad, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}))
+    _expect_error(bad, "unexpected", "model.layers.0.mlp.extra_proj.weight")
+
+
+def test_misshapen_tensor(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    _edit_tensors(bad, lambda t: t.update({"model.norm.weight": torch.ones(65)}))
+    _expect_error(bad, "model.norm.weight", "(65,)", "(64,)")
+
+
+def test_unknown_architecture(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    _edit_config(bad, architectures=["FalconForCausalLM"])
+    _expect_error(bad, "FalconForCausalLM", "not supported")
+
+
+def test_pickled_weights_refused(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+    _expect_error(bad, "only safetensors")
+
+
+def test_no_weight_files(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    (bad / "model.safetensors").unlink()
+    _expect_error(bad, "no weight files")
+
+
+def test_unsupported_rope_scaling(llama_folder, tmp_path):
+    bad = _copy(llama_folder[1], tmp_path / "bad")
+    _edit_config(bad, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    _expect_error(bad, "'yarn'", "not supported")
+
+
+def _config_folder(tmp_path: Path, raw: dict, generation: dict | None = None) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return tmp_path
+
+
+def test_old_style_rope_and_eos_lists(tmp_path):
+    """transformers 4.x configs: rope_theta at the top, rope_scaling keyed by `type`; eos may be a list."""
+    raw = {"architectures": ["LlamaForCausalLM"], **_SMALL, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "rope_scaling": {"type": "linear", "factor": 2.0}, "bos_token_id": 1, "eos_token_id": [2, 7]}
+    config = hf_model_config(_config_folder(tmp_path, raw, {"eos_token_id": [9, 2]}))
+    assert config.rope_theta == 500000.0
+    assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("linear", 2.0)
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (9, 2, 7))
+
+
+def test_qwen_sliding_window_only_when_enabled(tmp_path):
+    raw = {"architectures": ["Qwen2ForCausalLM"], **_SMALL, "rms_norm_eps": 1e-6, "sliding_window": 128,
+           "use_sliding_window": False}
+    assert hf_model_config(_config_folder(tmp_path, raw)).sliding_window is None
+
+
+def test_hf_ignored_drops_lm_head_only_when_tied():
+    tied = ModelConfig(
+        architecture="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=96, max_position_embeddings=256, norm_eps=1e-5,
+        tie_word_embeddings=True)
+    assert hf_ignored("lm_head.weight", tied)
+    assert not hf_ignored("lm_head.weight", replace(tied, tie_word_embeddings=False))
+    assert hf_ignored("model.layers.0.self_attn.rotary_emb.inv_freq", tied)
+    assert not hf_ignored("model.layers.0.self_attn.q_proj.bias", tied)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_and_its_hf_export_agree(tmp_path):
+    """The default GGUF, dequantized and saved as a Hugging Face folder by transformers, must load to the
+    same model as the GGUF itself (both paths undo llama.cpp's Q/K permutation)."""
+    from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+    from tinyserve.loader.model_loader import resolve_model_path
+
+    gguf_path = resolve_model_path("smollm2-135m")
+    hf = tf.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    hf.hf_quantizer = None  # weights are dequantized already; the quantizer only blocks saving
+    del hf.config.quantization_config
+    folder = _save(hf, tmp_path / "smollm2")
+    del hf
+    reader = open_gguf(gguf_path)
+    gguf_config = gguf_model_config(reader)
+    assert replace(hf_model_config(folder), bos_token_id=None, eos_token_ids=()) == gguf_config
+    from_gguf = build_model(gguf_config, gguf_tensors(reader, gguf_config), torch.float32, torch.device("cpu"))
+    ids = _sequences()[2]
+    diff = (forward_sequence(_load(folder), ids) - forward_sequence(from_gguf, ids)).abs().max().item()
+    assert diff <= 1e-6, f"max |hf folder - gguf| = {diff:.2e}"

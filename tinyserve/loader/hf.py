@@ -1,0 +1,212 @@
+"""Hugging Face checkpoint folders: hyper-parameters from config.json (and generation_config.json), tensors
+from safetensors files, memory-mapped and read one at a time. Pickled `.bin` weights are refused: loading
+them would run arbitrary code from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tinyserve.config import ModelConfig, RopeScaling
+from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.weights import NamedTensor
+from tinyserve.models.registry import family_of_hf_architecture, get_model_class
+
+# Buffers some checkpoints carry that we recompute or never need: rotary tables, GPT-2's causal mask.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+_SUPPORTED_ACTS = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",),
+                   "gpt2": ("gelu_new", "gelu_pytorch_tanh")}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not readable JSON ({type(exc).__name__}: {exc})") from None
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+    return _read_json(path)
+
+
+def _family(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise ModelLoadError("config.json names no architecture (`architectures` is missing or empty)")
+    try:
+        return family_of_hf_architecture(architectures[0])
+    except ValueError as exc:
+        raise ModelLoadError(f"config.json: {exc}") from None
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ModelLoadError(f"config.json is missing {key!r}")
+    return raw[key]
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling). transformers >= 5 writes `rope_parameters` (theta inside it); older configs
+    write `rope_theta` at the top and `rope_scaling` (null, or keyed by `type` or `rope_type`)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if params and not ({"rope_type", "type", "rope_theta"} & params.keys()):
+        raise ModelLoadError(f"config.json: per-layer rope parameters are not supported ({sorted(params)})")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise ModelLoadError(f"config.json: rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    try:
+        if kind == "linear":
+            return theta, RopeScaling("linear", factor=float(params["factor"]))
+        return theta, RopeScaling(
+            "llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json: {kind} rope scaling is missing {exc}") from None
+
+
+def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2, Qwen3 share these names."""
+    # Qwen2 always has q/k/v biases (its config has no key for it). Llama's and Qwen3's attention_bias
+    # would also put a bias on o_proj, which our LlamaAttention does not have.
+    attention_bias = family == "qwen2" or bool(raw.get("attention_bias", False))
+    if attention_bias and family != "qwen2":
+        raise ModelLoadError(f"config.json: attention_bias=true is not supported for {family} (bias on o_proj)")
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("config.json: mlp_bias=true is not supported")
+    theta, scaling = _rope(raw)
+    num_heads = int(_require(raw, "num_attention_heads"))
+    # Mistral sets sliding_window alone; Qwen configs carry one that applies only with use_sliding_window.
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    return dict(
+        vocab_size=int(_require(raw, "vocab_size")),
+        hidden_size=int(_require(raw, "hidden_size")),
+        num_hidden_layers=int(_require(raw, "num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+        intermediate_size=int(_require(raw, "intermediate_size")),
+        max_position_embeddings=int(_require(raw, "max_position_embeddings")),
+        norm_eps=float(_require(raw, "rms_norm_eps")),
+        head_dim=int(raw.get("head_dim") or 0),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=family == "qwen3",
+        hidden_act=raw.get("hidden_act", "silu"),
+        sliding_window=None if window is None else int(window),
+    )
+
+
+def _gpt2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("scale_attn_by_inverse_layer_idx") or not raw.get("scale_attn_weights", True):
+        raise ModelLoadError("config.json: GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+    hidden, num_heads = int(_require(raw, "n_embd")), int(_require(raw, "n_head"))
+    return dict(
+        vocab_size=int(_require(raw, "vocab_size")),
+        hidden_size=hidden,
+        num_hidden_layers=int(_require(raw, "n_layer")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=int(raw.get("n_inner") or 4 * hidden),
+        max_position_embeddings=int(_require(raw, "n_positions")),
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        hidden_act=raw.get("activation_function", "gelu_new"),
+    )
+
+
+def _as_ids(value: Any) -> list[int]:
+    """eos_token_id (and rarely bos) is an int, a list of ints, or null."""
+    return [] if value is None else [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def hf_model_config(folder: str | Path) -> ModelConfig:
+    folder = Path(folder)
+    raw = _read_config(folder)
+    family = _family(raw)
+    fields = _gpt2_fields(raw) if family == "gpt2" else _llama_fields(raw, family)
+    if fields["hidden_act"] not in _SUPPORTED_ACTS[family]:
+        raise ModelLoadError(f"config.json: activation {fields['hidden_act']!r} is not supported for {family}")
+    generation = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    bos_ids = _as_ids(generation.get("bos_token_id", raw.get("bos_token_id")))
+    eos_ids = _as_ids(generation.get("eos_token_id")) + _as_ids(raw.get("eos_token_id"))
+    try:
+        return ModelConfig(
+            architecture=family, **fields, bos_token_id=bos_ids[0] if bos_ids else None,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),  # de-duplicated, first-seen order
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index lists, or the single model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise ModelLoadError(f"{index} lists {path.name}, which is missing")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise ModelLoadError(f"{folder}: only safetensors weights are supported (found pickled .bin/.pt files)")
+    raise ModelLoadError(f"{folder}: no weight files (model.safetensors or model.safetensors.index.json)")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # SafetensorError, OSError: a truncated or corrupt file
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+def _producer(handle, path: Path, name: str, transpose: bool):
+    def produce() -> torch.Tensor:
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
+        return tensor.t() if transpose else tensor  # Conv1D [in, out] -> Linear [out, in]
+
+    return produce
+
+
+def hf_tensors(folder: str | Path) -> Iterator[NamedTensor]:
+    """Yield (Hugging Face name, producer of a CPU tensor in the file's dtype) for every tensor. The
+    handles stay open (memory-mapped) as long as a producer refers to them."""
+    folder = Path(folder)
+    model_class = get_model_class(_family(_read_config(folder)))
+    conv1d = getattr(model_class, "conv1d_weights", ())
+    handles = [(path, _open(path)) for path in _weight_files(folder)]
+    names = [name for _, handle in handles for name in handle.keys()]
+    prefix = getattr(model_class, "checkpoint_prefix", None)
+    add_prefix = prefix is not None and not any(n.startswith(prefix + ".") for n in names)
+    for path, handle in handles:
+        for name in handle.keys():
+            hf_name = f"{prefix}.{name}" if add_prefix and not name.startswith("lm_head.") else name
+            yield hf_name, _producer(handle, path, name, hf_name.endswith(conv1d))
+
+
+def hf_ignored(name: str, config: ModelConfig) -> bool:
+    """Tensors safely skipped: recomputed buffers, and a tied model's lm_head (its embedding is the head;
+    transformers ties them the same way, whatever the file holds)."""
+    return bool(_IGNORED.search(name)) or (config.tie_word_embeddings and name == "lm_head.weight")
