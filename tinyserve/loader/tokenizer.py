@@ -1,0 +1,319 @@
+"""Text <-> token ids, and chat templates, for a GGUF file or a Hugging Face checkpoint folder.
+
+The HF `tokenizers` library runs the BPE; this module only assembles one from what the checkpoint states. A GGUF
+has no tokenizer.json: it lists tokens, token types, merges (or scores) and names its pre-tokenizer in
+`tokenizer.ggml.pre`, whose split regexes we take from llama.cpp's definitions. Chat templates are Jinja,
+rendered in a sandbox the way transformers renders them, so prompts match token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import tokenizers
+from gguf import GGUFReader
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from tinyserve.loader.errors import ModelLoadError
+
+# llama.cpp's token types (gguf.TokenType) that matter here; the others are UNKNOWN=2, UNUSED=5, BYTE=6
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the regexes llama.cpp splits with, each applied to the pieces the previous one left.
+# SmolLM/StarCoder vocabularies were trained with every digit on its own, hence the \p{N} split first.
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo", "phi-2"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r"), (r"\p{N}", _GPT2_SPLIT)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_QWEN2_SPLIT,)),
+}
+# Llama 3 style vocabularies take a whole pre-token that is itself a token without running merges (llama.cpp too).
+_IGNORE_MERGES = {_LLAMA3_SPLIT}
+
+# Tokens that end a turn in the common chat formats. The declared eos often is not the one a chat turn ends
+# with (SmolLM2's GGUF), so, like llama.cpp, any of these that is an added/control token also stops generation.
+_END_OF_TURN = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>",
+    "</s>", "<|EOT|>", "<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
+)  # fmt: skip
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the rest move to U+0100 on."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    mapping, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(0x100 + shifted)
+            shifted += 1
+    return mapping
+
+
+def _gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _byte_level_vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
+    """A GGUF spells byte-level tokens in GPT-2's alphabet, but control and user-defined tokens as raw text;
+    raw ones stay raw (they are matched whole in the text), any other odd one is respelled byte by byte."""
+    spelling = _byte_to_char()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for token_id, (token, token_type) in enumerate(zip(tokens, types)):
+        if token_type not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, token_id)
+    return vocab
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges a pair into the piece with the best score; as merge rules that is every split
+    of a token into two tokens, ranked by the token's score (ties: longer left part, then file order)."""
+    index = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for merged_id, token in enumerate(tokens):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in index and right in index:
+                ranked.append((-scores[merged_id], -len(left), -len(right), merged_id, left, right))
+    ranked.sort(key=lambda r: r[:4])
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _byte_level_backend(reader: GGUFReader, tokens: list[str], types: list[int], merges: list) -> tokenizers.Tokenizer:
+    pre = _gguf_field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _PRE_SPLITS:
+        raise ModelLoadError(f"unsupported GGUF tokenizer.ggml.pre={pre!r}; supported: {sorted(_PRE_SPLITS)}")
+    splits = _PRE_SPLITS[pre]
+    vocab = _byte_level_vocab(tokens, types)
+    backend = tokenizers.Tokenizer(BPE(vocab, merges, ignore_merges=bool(_IGNORE_MERGES & set(splits))))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(
+    reader: GGUFReader, tokens: list[str], merges: list, unk: str | None
+) -> tokenizers.Tokenizer:
+    """SentencePiece pieces spell spaces as "\u2581"; <0xNN> byte tokens cover whatever has no piece (else unk)."""
+    if not merges:
+        merges = _merges_from_scores(tokens, _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+    vocab: dict[str, int] = {}
+    for token_id, token in enumerate(tokens):
+        vocab.setdefault(token, token_id)
+    backend = tokenizers.Tokenizer(BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    has_prefix = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    # NOTE: a normalizer, not Metaspace: a space is prepended even to text that starts with one, and again after
+    # each special token, as sentencepiece, llama.cpp and Llama 2's own tokenizer.json do.
+    spaces = [normalizers.Prepend("\u2581")] if has_prefix else []
+    backend.normalizer = normalizers.Sequence(spaces + [normalizers.Replace(" ", "\u2581")])
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if has_prefix else []))
+    return backend
+
+
+def _add_gguf_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens become special (skipped by decode), user-defined ones plain added tokens; both are then
+    matched whole in the text instead of being cut into pieces."""
+    added = [(token, kind) for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in added if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in added if k == _USER_DEFINED])
+
+
+def _set_post_processor(
+    backend: tokenizers.Tokenizer, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool
+) -> None:
+    """encode(add_special_tokens=True) puts bos before / eos after the text when the checkpoint asks for it."""
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+    special = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering ignores it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    # The same environment transformers uses, so rendered prompts match its apply_chat_template exactly.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as a serialized AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _as_ids(value: Any) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+class Tokenizer:
+    """A BPE tokenizer plus what serving needs around it: bos/eos ids, special tokens, the chat template.
+
+    Immutable after construction. `eos_token_ids` is the declared eos plus every added token named like an
+    end of turn (see _END_OF_TURN), so a chat model stops at the end of its turn whatever its metadata says.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: Iterable[int] = (),  # declared besides eos_token (generation_config.json)
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
+        declared = {None if eos_token is None else backend.token_to_id(eos_token), *eos_token_ids}
+        end_of_turn = {i for i in map(backend.token_to_id, _END_OF_TURN) if i in added}
+        self.eos_token_ids: frozenset[int] = frozenset((declared | end_of_turn) - {None})
+        self.chat_template = chat_template
+        self._compiled_template = None if chat_template is None else _compile_chat_template(chat_template)
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
+        model = _gguf_field(reader, "tokenizer.ggml.model")
+        tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+        if model is None or tokens is None:
+            name = getattr(reader.data, "filename", "GGUF")
+            raise ModelLoadError(f"{name}: no tokenizer metadata (tokenizer.ggml.model and tokenizer.ggml.tokens)")
+        if model not in ("gpt2", "llama"):
+            raise ModelLoadError(f"unsupported GGUF tokenizer.ggml.model={model!r}; supported: 'gpt2', 'llama'")
+
+        def token(key: str) -> str | None:
+            token_id = _gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+            return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+
+        types = list(_gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+        if model == "gpt2":
+            backend = _byte_level_backend(reader, tokens, types, merges)
+        else:
+            backend = _sentencepiece_backend(reader, tokens, merges, token("unknown"))
+        _add_gguf_special_tokens(backend, tokens, types)
+        bos, eos = token("bos"), token("eos")
+        # llama.cpp adds bos to a SentencePiece vocabulary unless the file says otherwise
+        add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")
+        add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token", False)
+        _set_post_processor(backend, bos, eos, add_bos, add_eos)
+        template = _gguf_field(reader, "tokenizer.chat_template")
+        return cls(backend, bos_token=bos, eos_token=eos, chat_template=template)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        """A Hugging Face checkpoint folder: tokenizer.json, tokenizer_config.json, and eos ids from
+        generation_config.json and config.json."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ModelLoadError(f"{path}: no tokenizer.json (a Hugging Face checkpoint folder needs one)")
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        if "add_bos_token" in config or "add_eos_token" in config:  # as transformers: they override tokenizer.json
+            add_bos, add_eos = config.get("add_bos_token", False), config.get("add_eos_token", False)
+            _set_post_processor(backend, bos, eos, add_bos, add_eos)
+        eos_ids = _as_ids(_read_json(path / "generation_config.json").get("eos_token_id"))
+        eos_ids += _as_ids(_read_json(path / "config.json").get("eos_token_id"))
+        template = cls._folder_template(path, config)
+        return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template)
+
+    @staticmethod
+    def _folder_template(path: Path, config: dict) -> str | None:
+        if (path / "chat_template.jinja").is_file():  # newer checkpoints keep it in its own file
+            return (path / "chat_template.jinja").read_text(encoding="utf-8")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        return template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """The special tokens (those decode(skip_special_tokens=True) drops), plus bos and eos."""
+        return sorted(self._special_ids | self.eos_token_ids | ({self.bos_token_id} - {None}))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special tokens written in the text (e.g. "<|im_start|>") always become their ids; add_special_tokens
+        only controls whether bos/eos are added around it."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs: Any
+    ) -> str:
+        """The prompt text for a conversation. tools=None and documents=None are passed like transformers does,
+        since templates test `tools is defined`. Raises ValueError if the model has no template or the template
+        rejects the conversation (its raise_exception, e.g. roles that do not alternate): both are the client's."""
+        if self._compiled_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt (/v1/completions) instead")
+        # like transformers' special_tokens_map: a token the model lacks is left undefined, not None
+        specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v is not None}
+        variables = {**specials, "documents": None, **kwargs}
+        try:
+            return self._compiled_template.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
