@@ -40,3 +40,11 @@ def hf_smollm2(smollm2_path):
 def hf_smollm2_tokenizer(smollm2_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded():
+    """The default model as the engine loads it (model + config + tokenizer), float32 on CPU."""
+    from tinyserve.loader.model_loader import load_model
+
+    return load_model("smollm2-135m", dtype="float32", device="cpu")

@@ -150,7 +150,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]
     num_batched_tokens: int = 0  # sum of the n's above, <= max_num_batched_tokens
     preempted_ids: list[str] = field(default_factory=list)  # sent back to waiting this step (recompute)
-    finished_ids: list[str] = field(default_factory=list)  # freed this step (aborted before running)
+    # finished outside update_from_output since the last step (abort, finish_request, or LENGTH when a
+    # request outgrew the whole KV cache), blocks already freed: the runner drops their per-request state
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -177,6 +179,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """Timings of one finished sample (time.monotonic seconds); None where the request never got there."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One increment of one sample of one request, engine -> server. The last one has finish_reason set."""
 
@@ -188,6 +201,7 @@ class RequestOutput:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token when requested
     error: str | None = None  # set with FinishReason.ERROR
+    metrics: RequestMetrics | None = None  # on the final output only
 
     @property
     def finished(self) -> bool:

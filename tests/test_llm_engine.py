@@ -1,0 +1,145 @@
+"""The engine on the default model: batch invariance under queueing, chunked prefill and preemption;
+prefix caching; n > 1; stop strings; abort; every block free after each test."""
+
+import random
+
+import pytest
+
+from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.types import FinishReason, SamplingParams
+
+TEXT = (
+    "In the beginning the river ran clear and cold through the valley, and the people who lived along its "
+    "banks fished, farmed and traded with the towns downstream. def parse(line):\n    key, _, value = "
+    "line.partition('=')\n    return key.strip(), value.strip()\n Over the centuries the town grew into a city; "
+    "bridges were built, mills turned, and the river carried boats laden with grain, wool and timber. "
+    "人们在河边建造房屋。 Records from 1642 show 3,400 residents; by 1890 there were 41,250. "
+)
+
+
+def _engine(loaded, *, num_blocks=None, max_num_seqs=64, budget=512, prefix_caching=True, max_model_len=None):
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                  max_model_len=max_model_len),
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
+def _run(engine, prompts, params_list):
+    """Submit all at once, step to the end; returns {request index: (token ids, text, finish reason)}."""
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(str(i), prompt, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids, text, _ = results.get((int(out.request_id), out.index), ([], "", None))
+            results[(int(out.request_id), out.index)] = (ids + out.new_token_ids, text + out.new_text, out.finish_reason)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
+    return results
+
+
+@pytest.fixture(scope="module")
+def mixed_workload(smollm2_loaded):
+    tokens = smollm2_loaded.tokenizer.encode(TEXT * 8)
+    rng = random.Random(7)
+    prompts, lengths = [], []
+    for _ in range(32):
+        n = rng.randint(5, 400)
+        start = rng.randint(0, len(tokens) - n)
+        prompts.append(tokens[start : start + n])
+        lengths.append(rng.randint(1, 24))
+    return prompts, lengths
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_batch_invariance_under_queueing_chunking_and_preemption(smollm2_loaded, mixed_workload, sampling):
+    prompts, lengths = mixed_workload
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) if sampling == "greedy"
+        else SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=1000 + i)
+        for i, n in enumerate(lengths)
+    ]
+    # 30 blocks x 16 = 480 tokens for 32 requests of up to 424 tokens: queueing, 64-token chunks, preemption
+    busy = _engine(smollm2_loaded, num_blocks=30, max_num_seqs=8, budget=64, max_model_len=480)
+    together = _run(busy, prompts, params)
+    assert busy.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        alone = _run(_engine(smollm2_loaded, max_model_len=480), [prompt], [p])
+        assert together[(i, 0)][0] == alone[(0, 0)][0], f"request {i} depends on its batch"
+        assert len(together[(i, 0)][0]) == lengths[i]
+
+
+def test_prefix_caching_hits_and_identical_outputs(smollm2_loaded):
+    tokens = smollm2_loaded.tokenizer.encode(TEXT * 4)
+    prefix = tokens[:300]
+    prompts = [prefix + smollm2_loaded.tokenizer.encode(f" Question {i}: what happened next?") for i in range(16)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0)] * 16
+    outputs = {}
+    for caching in (True, False):
+        engine = _engine(smollm2_loaded, prefix_caching=caching)
+        first = _run(engine, prompts[:1], params[:1])
+        before = engine.stats()
+        rest = _run(engine, prompts[1:], params[1:])
+        outputs[caching] = [first[(0, 0)][0]] + [rest[(i, 0)][0] for i in range(15)]
+        if caching:
+            after = engine.stats()
+            full_prefix_tokens = 300 // 16 * 16
+            hits = after.prefix_cache_hits - before.prefix_cache_hits
+            assert hits >= 0.9 * 15 * full_prefix_tokens, (hits, 15 * full_prefix_tokens)
+    assert outputs[True] == outputs[False]
+
+
+def test_n_samples_share_prompt_blocks_and_differ(smollm2_loaded):
+    engine = _engine(smollm2_loaded)
+    prompt = smollm2_loaded.tokenizer.encode(TEXT)
+    sampled = _run(engine, [prompt], [SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)])
+    texts = {sampled[(0, k)][0].__repr__() for k in range(4)}
+    assert len(texts) == 4, "sampled siblings should differ"
+    greedy = _run(engine, [prompt], [SamplingParams(n=3, max_tokens=12, temperature=0.0, ignore_eos=True)])
+    assert greedy[(0, 0)][0] == greedy[(0, 1)][0] == greedy[(0, 2)][0]
+
+
+def test_stop_string_cuts_text_and_finishes(smollm2_loaded):
+    engine = _engine(smollm2_loaded)
+    prompt = "The capital of France is"
+    free_run = _run(engine, [prompt], [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)])
+    full_text = free_run[(0, 0)][1]
+    stop = full_text.strip()[3:6]
+    assert stop and stop in full_text
+    cut = _run(engine, [prompt], [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(stop,))])
+    ids, text, reason = cut[(0, 0)]
+    assert reason is FinishReason.STOP
+    assert text == full_text[: full_text.index(stop)]
+
+
+def test_abort_frees_blocks_and_reports(smollm2_loaded):
+    engine = _engine(smollm2_loaded)
+    engine.add_request("a", TEXT, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", TEXT[:100], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    finals = engine.abort("a")
+    assert [o.finish_reason for o in finals] == [FinishReason.ABORT]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.abort("a") == []
+
+
+def test_validation_errors_name_the_numbers(smollm2_loaded):
+    engine = _engine(smollm2_loaded, max_model_len=256)
+    with pytest.raises(ValueError, match=r"prompt \(10 tokens\) \+ max_tokens \(250\)"):
+        engine.add_request("x", list(range(100, 110)), SamplingParams(max_tokens=250))
+    with pytest.raises(ValueError, match="256"):
+        engine.add_request("y", list(range(100, 400)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("z", [], SamplingParams())
+    assert not engine.has_unfinished_requests()
+
+
+def test_kv_budget_too_small_is_refused(smollm2_loaded):
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.001))
+    with pytest.raises(ValueError, match="fewer than one max-length sequence"):
+        LLMEngine(config, loaded=smollm2_loaded)

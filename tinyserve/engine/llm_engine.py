@@ -1,0 +1,157 @@
+"""The synchronous engine: add_request / step / abort over one model, one KV pool, one scheduler.
+
+A step: the scheduler picks (request, chunk) pairs; the runner runs them as one batch and samples; the
+scheduler appends tokens and finishes what hit a stop condition; the output processor turns that into
+text deltas. Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from tinyserve.config import EngineConfig
+from tinyserve.engine.block_manager import BlockManager
+from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.model_runner import ModelRunner, StepResult
+from tinyserve.engine.output_processor import OutputProcessor
+from tinyserve.engine.scheduler import Scheduler
+from tinyserve.engine.stats import EngineStats
+from tinyserve.loader.model_loader import LoadedModel, load_model
+from tinyserve.types import FinishReason, Request, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        param = next(loaded.model.parameters())
+        max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
+        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+        cache_config = resolve_cache_config(config.cache, loaded.config, param.dtype, param.device, max_model_len)
+        self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            hash_seed=f"{loaded.source}:{param.dtype}",
+        )
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._samples: dict[str, list[str]] = {}  # user request id -> its samples' internal ids
+        self.num_steps = 0
+
+    # ---- requests in -----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Meaning checks the server turns into 400s; ValueError names the field and the numbers."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, but the model's context is {self.max_model_len} tokens "
+                "(at least one token must be left to generate)"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
+                f"the model's context of {self.max_model_len} tokens"
+            )
+        if any(not 0 <= int(t) < vocab for t in (params.logit_bias or {})):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> list[int]:
+        """Queue a request (its n samples); returns the prompt token ids."""
+        if request_id in self._samples:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(prompt_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        ids = [f"{request_id}#{i}" for i in range(params.n)]
+        for index, internal_id in enumerate(ids):
+            request = Request(
+                request_id=internal_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                arrival_time=arrival, priority=priority, index=index,
+                parent_id=ids[0] if index else None,
+                eos_token_ids=frozenset(self.model_config.eos_token_ids),
+                max_total_tokens=self.max_model_len,
+            )
+            self.outputs.add(request)
+            self.scheduler.add_request(request)
+        self._samples[request_id] = ids
+        logger.debug("request %s queued: %d prompt tokens, n=%d", request_id, len(prompt_ids), params.n)
+        return prompt_ids
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+              error: str | None = None) -> list[RequestOutput]:
+        """Cancel every unfinished sample of a request now (blocks freed); their final outputs."""
+        finals = []
+        for internal_id in self._samples.pop(request_id, []):
+            request = self.scheduler.get_request(internal_id)
+            if request is not None and self.scheduler.finish_request(internal_id, reason):
+                self.runner.free(internal_id)
+                finals.append(self.outputs.finished_without_token(request, reason, error))
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        for request_id in scheduled.finished_ids:
+            self.runner.free(request_id)
+        result = StepResult({}, {})
+        if not scheduled.is_empty:
+            tables = [self.block_manager.block_table(r.request_id) for r, _ in scheduled.scheduled]
+            result = self.runner.execute(scheduled.scheduled, tables)
+            self.num_steps += 1
+        return self._collect(self.scheduler.update_from_output(scheduled, result.sampled), result)
+
+    def _collect(self, changed: list[Request], result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        for request in changed:
+            if request.request_id not in result.sampled:
+                # finished in schedule() without a new token (it outgrew the whole KV pool)
+                outputs.append(self.outputs.finished_without_token(request, request.finish_reason))
+            else:
+                out, stop_hit = self.outputs.new_tokens(request, result.logprobs.get(request.request_id))
+                if stop_hit:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+                outputs.append(out)
+            if request.is_finished or outputs[-1].finished:
+                self.runner.free(request.request_id)
+                self._forget_sample(request)
+        return outputs
+
+    def _forget_sample(self, request: Request) -> None:
+        user_id = request.request_id.rpartition("#")[0]
+        ids = self._samples.get(user_id)
+        if ids is not None and all(self.scheduler.get_request(i) is None for i in ids):
+            del self._samples[user_id]
+
+    # ---- observability ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        prefix = self.block_manager.prefix_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.block_manager.usage,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_blocks=self.block_manager.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=prefix.num_query_tokens,
+            prefix_cache_hits=prefix.num_hit_tokens,
+            num_steps=self.num_steps,
+        )

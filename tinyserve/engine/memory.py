@@ -1,0 +1,65 @@
+"""Start-up sizing: the context length and the number of KV blocks a memory budget holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import torch
+
+from tinyserve.config import CacheConfig, ModelConfig
+from tinyserve.engine.kv_cache import num_blocks_for_budget
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# With no explicit budget on the CPU, a fixed 1 GiB (like vLLM's CPU default of a fixed KV space): a
+# fraction of a shared host's free memory would be a moving target.
+DEFAULT_CPU_BUDGET_GIB = 1.0
+
+
+def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    if config.sliding_window is not None:  # attention has no window: stay where full attention is exact
+        limit = min(limit, config.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's context of {limit} tokens")
+    return requested
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+                         max_model_len: int) -> CacheConfig:
+    """Fill num_blocks from the budget; refuse a budget that cannot hold one max-length sequence."""
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+        budget = None
+    else:
+        if cache.kv_cache_memory_gib is not None:
+            budget = int(cache.kv_cache_memory_gib * GIB)
+        elif device.type == "cpu":
+            budget = int(DEFAULT_CPU_BUDGET_GIB * GIB)
+        else:
+            budget = int(_free_device_bytes(device) * cache.memory_fraction)
+        num_blocks = num_blocks_for_budget(model, cache.block_size, dtype, budget)
+    num_tokens = num_blocks * cache.block_size
+    if num_tokens < max_model_len:
+        what = f"{budget / GIB:.3f} GiB" if budget is not None else f"{num_blocks} blocks"
+        raise ValueError(
+            f"KV cache budget of {what} holds {num_tokens} tokens, fewer than one max-length sequence "
+            f"({max_model_len} tokens): raise --kv-cache-memory or lower --max-model-len"
+        )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f max-length sequences of %d)",
+        num_blocks, cache.block_size, num_tokens, num_tokens / max_model_len, max_model_len,
+    )
+    return replace(cache, num_blocks=num_blocks)

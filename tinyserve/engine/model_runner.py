@@ -1,0 +1,100 @@
+"""Executes one scheduled step: one flattened batch, one forward, one sample per finished chunk.
+
+The batch has no padding between sequences: each sequence contributes exactly the tokens the scheduler
+gave it. Sequences with one new token (decodes) go first so attention can treat them in one batched call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
+from tinyserve.engine.sampler import Sampler
+from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.types import Request, TokenLogprob
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]  # request_id -> next token, for requests whose chunk reached their last token
+    logprobs: dict[str, TokenLogprob]  # for sampled requests that asked for logprobs
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
+    sampled_requests: list[Request]
+
+
+class ModelRunner:
+    """Owns the model, the KV pool (allocated here once) and the sampler."""
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0):
+        param = next(model.parameters())
+        self.model, self.device, self.dtype = model, param.device, param.dtype
+        self.block_size = block_size
+        self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        bind_kv_cache(model, self.kv_cache)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]) -> StepResult:
+        """scheduled[i] = (request, new tokens this step), with block_tables[i] covering all its tokens."""
+        batch = self._prepare(scheduled, block_tables)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
+        if not batch.sampled_requests:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+        out = self.sampler(logits, batch.sampled_requests)
+        ids = [r.request_id for r in batch.sampled_requests]
+        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
+        return StepResult(dict(zip(ids, out.next_token_ids)), logprobs)
+
+    def free(self, request_id: str) -> None:
+        self.sampler.free(request_id)
+
+    def _prepare(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]) -> _Batch:
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)  # decodes first, stable
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens, query_lens, tables, sample_rows, sampled = [], [], [], [], []
+        bs = self.block_size
+        for i in order:
+            request, num_new = scheduled[i]
+            table = block_tables[i]
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            query_lens.append(num_new)
+            tables.append(table)
+            if end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(request)
+        width = max(len(t) for t in tables)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens_host=seq_lens,
+            query_lens_host=query_lens,
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            block_size=bs,
+        )
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            sampled_requests=sampled,
+        )

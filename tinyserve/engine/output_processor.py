@@ -1,0 +1,61 @@
+"""Turns the scheduler's per-step request updates into RequestOutputs: text deltas from the incremental
+detokenizer, stop strings, logprobs, and usage plus timings on the final output of each sample."""
+
+from __future__ import annotations
+
+from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.loader.tokenizer import Tokenizer
+from tinyserve.types import FinishReason, Request, RequestMetrics, RequestOutput, TokenLogprob, Usage
+
+
+def user_request_id(request: Request) -> str:
+    """Samples of one user request carry ids '<user id>#<index>'."""
+    return request.request_id.rpartition("#")[0]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, request: Request) -> None:
+        params = request.sampling_params
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
+        )
+
+    def new_tokens(self, request: Request, logprobs: TokenLogprob | None) -> tuple[RequestOutput, bool]:
+        """The output for a request that just got one token (and maybe finished). Returns it and whether
+        a stop string was hit (the caller must then finish the request with STOP)."""
+        detok = self._detokenizers[request.request_id]
+        new_id = request.output_token_ids[-1]
+        text = detok.step([new_id])
+        stop_hit = detok.stop_hit is not None and not request.is_finished
+        reason = FinishReason.STOP if stop_hit else request.finish_reason
+        if reason is not None and not stop_hit:
+            text += detok.flush()
+        return self._output(request, text, [new_id], reason, [logprobs] if logprobs else None), stop_hit
+
+    def finished_without_token(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """Final output of a request ended from outside (abort, timeout, error): no new token."""
+        detok = self._detokenizers.get(request.request_id)
+        text = detok.flush() if detok is not None and detok.stop_hit is None else ""
+        return self._output(request, text, [], reason, None, error)
+
+    def _output(self, request: Request, text: str, ids: list[int], reason: FinishReason | None,
+                logprobs: list[TokenLogprob] | None, error: str | None = None) -> RequestOutput:
+        usage = metrics = None
+        if reason is not None:
+            self._detokenizers.pop(request.request_id, None)
+            usage = Usage(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
+            metrics = RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finished_time=request.finished_time,
+                num_preemptions=request.num_preemptions,
+            )
+        return RequestOutput(
+            request_id=user_request_id(request), index=request.index, new_text=text, new_token_ids=ids,
+            finish_reason=reason, usage=usage, logprobs=logprobs, error=error, metrics=metrics,
+        )

@@ -1,0 +1,102 @@
+"""The offline API vLLM users know: `LLM(model=...).generate(prompts, params)` and `.chat(...)`.
+
+All prompts go into one engine at once and are batched by the scheduler; results come back in prompt order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
+
+Prompt = str | list[int]
+
+
+@dataclass
+class SampleResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's result. `text`, `token_ids`, `finish_reason` and `logprobs` are those of the first
+    sample; `outputs` holds all n; `usage` counts the prompt once and every sample's tokens."""
+
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    outputs: list[SampleResult]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", *,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 kv_cache_memory: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, seed: int = 0):
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        results = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            ids = self.engine.add_request(str(i), prompt, p)
+            samples = [SampleResult(index=k, logprobs=[] if p.logprobs is not None else None) for k in range(p.n)]
+            results.append(GenerationResult(prompt, ids, samples, Usage(len(ids), 0)))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                result = results[int(out.request_id)]
+                sample = result.outputs[out.index]
+                sample.text += out.new_text
+                sample.token_ids.extend(out.new_token_ids)
+                if out.logprobs:
+                    sample.logprobs.extend(out.logprobs)
+                if out.finished:
+                    sample.finish_reason = out.finish_reason
+                    u = result.usage
+                    result.usage = Usage(u.prompt_tokens, u.completion_tokens + out.usage.completion_tokens,
+                                         max(u.cached_tokens, out.usage.cached_tokens))
+        return results
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Apply the model's chat template (with the assistant generation prompt) to each conversation."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
+                   for c in conversations]
+        return self.generate(prompts, params)
