@@ -3,6 +3,8 @@ table. A yardstick for tests (the engine must produce the same tokens) and nothi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -24,24 +26,37 @@ def _single_sequence_meta(start: int, num_new: int, block_size: int, device: tor
     )
 
 
+@contextlib.contextmanager
+def _own_kv_cache(model: nn.Module, max_len: int, block_size: int):
+    """Bind a private pool for the duration, then give the model back the pool it had (if any): the
+    reference may run on a model an engine is using."""
+    previous = [layer.kv_cache for layer in model.attention_layers]
+    try:
+        yield _ReferenceRunner(model, max_len, block_size)
+    finally:
+        for layer, cache in zip(model.attention_layers, previous):
+            layer.kv_cache = cache
+
+
 @torch.inference_mode()
 def forward_sequence(model: nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """Logits at every position of one sequence in one prefill: [len(token_ids), vocab] float32."""
-    return _ReferenceRunner(model, len(token_ids), block_size).run(token_ids, 0).float()
+    with _own_kv_cache(model, len(token_ids), block_size) as runner:
+        return runner.run(token_ids, 0).float()
 
 
 @torch.inference_mode()
 def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                     eos_token_ids: frozenset[int] = frozenset(), block_size: int = 16) -> list[int]:
-    runner = _ReferenceRunner(model, len(prompt_ids) + max_new_tokens, block_size)
-    logits = runner.run(prompt_ids, 0)
-    output: list[int] = []
-    while True:
-        next_id = int(logits[-1].argmax())
-        output.append(next_id)
-        if next_id in eos_token_ids or len(output) == max_new_tokens:
-            return output
-        logits = runner.run([next_id], len(prompt_ids) + len(output) - 1)
+    with _own_kv_cache(model, len(prompt_ids) + max_new_tokens, block_size) as runner:
+        logits = runner.run(prompt_ids, 0)
+        output: list[int] = []
+        while True:
+            next_id = int(logits[-1].argmax())
+            output.append(next_id)
+            if next_id in eos_token_ids or len(output) == max_new_tokens:
+                return output
+            logits = runner.run([next_id], len(prompt_ids) + len(output) - 1)
 
 
 class _ReferenceRunner:
