@@ -26,8 +26,8 @@ def _build(seqs, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // BLOCK) for c, n in seqs) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    cache = KVCache(torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype),
-                    torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype))
+    cache = KVCache(torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype),
+                    torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype))
     full, tables, slots, q_parts, k_new, v_new = [], [], [], [], [], []
     for cached, new in seqs:
         total = cached + new
@@ -42,15 +42,9 @@ def _build(seqs, dtype, seed=0):
         write_kv(cache, k[:cached], v[:cached], seq_slots[:cached])  # what earlier steps left in the cache
         slots.append(seq_slots[cached:])
         q_parts.append(q[cached:]); k_new.append(k[cached:]); v_new.append(v[cached:])
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        seq_lens=torch.tensor([c + n for c, n in seqs]),
-        seq_lens_host=[c + n for c, n in seqs],
-        query_lens_host=[n for _, n in seqs],
-        num_decodes=next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs)),  # leading 1-token seqs
-        block_size=BLOCK,
+    meta = AttentionMetadata.build(
+        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], BLOCK,
+        KV_HEADS, num_blocks, torch.device("cpu"),
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.slot_mapping)

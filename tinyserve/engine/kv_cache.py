@@ -11,7 +11,7 @@ from tinyserve.layers.attention import KVCache
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[KVCache]:
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
     return [
         KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_hidden_layers)

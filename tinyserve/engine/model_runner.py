@@ -38,7 +38,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0):
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.num_kv_heads = model.config.num_key_value_heads
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
         bind_kv_cache(model, self.kv_cache)
         self.sampler = Sampler(seed)
@@ -80,17 +81,9 @@ class ModelRunner:
             if end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(request)
-        width = max(len(t) for t in tables)
         device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            seq_lens_host=seq_lens,
-            query_lens_host=query_lens,
-            num_decodes=sum(1 for n in query_lens if n == 1),
-            block_size=bs,
-        )
+        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, bs, self.num_kv_heads,
+                                       self.num_blocks, device)
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

@@ -12,20 +12,6 @@ from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
 
 
-def _single_sequence_meta(start: int, num_new: int, block_size: int, device: torch.device,
-                          block_table: torch.Tensor) -> AttentionMetadata:
-    seq_len = start + num_new
-    return AttentionMetadata(
-        slot_mapping=torch.arange(start, seq_len, device=device),  # contiguous table: slot == position
-        block_tables=block_table.unsqueeze(0),
-        seq_lens=torch.tensor([seq_len], device=device),
-        seq_lens_host=[seq_len],
-        query_lens_host=[num_new],
-        num_decodes=1 if num_new == 1 else 0,
-        block_size=block_size,
-    )
-
-
 @contextlib.contextmanager
 def _own_kv_cache(model: nn.Module, max_len: int, block_size: int):
     """Bind a private pool for the duration, then give the model back the pool it had (if any): the
@@ -65,11 +51,15 @@ class _ReferenceRunner:
         self.model, self.block_size, self.device = model, block_size, param.device
         num_blocks = -(-max_len // block_size)
         bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, param.dtype, param.device))
-        self.block_table = torch.arange(num_blocks, device=param.device)
+        self.block_table = list(range(num_blocks))
 
     def run(self, token_ids: list[int], start: int) -> torch.Tensor:
         n = len(token_ids)
-        meta = _single_sequence_meta(start, n, self.block_size, self.device, self.block_table)
+        meta = AttentionMetadata.build(
+            slot_mapping=list(range(start, start + n)),  # contiguous table: slot == position
+            block_tables=[self.block_table], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
+            num_kv_heads=self.model.config.num_key_value_heads, num_blocks=len(self.block_table), device=self.device,
+        )
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
         return self.model.compute_logits(self.model(ids, positions, meta))

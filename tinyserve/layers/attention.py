@@ -17,7 +17,8 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens go in the KV pool and what each sequence attends to."""
+    """Where this step's tokens go in the KV pool and what each sequence attends to. Built once per step
+    by the model runner and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64; rows padded with block 0 past seq_lens
@@ -26,33 +27,69 @@ class AttentionMetadata:
     query_lens_host: list[int]  # new tokens of each sequence this step; the first num_decodes are 1
     num_decodes: int  # leading sequences with exactly one query token
     block_size: int
+    # For the batched decode path (None when num_decodes == 0), computed once per step, not per layer:
+    decode_rows: torch.Tensor | None = None  # [kv_heads * num_decodes * decode_blocks] rows of the pool
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, decode_blocks * block_size] f32: 0 or -inf
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
+    @classmethod
+    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], seq_lens: list[int],
+              query_lens: list[int], block_size: int, num_kv_heads: int, num_blocks: int,
+              device: torch.device) -> AttentionMetadata:
+        """From host lists, sequences ordered decodes first. One host-to-device copy per tensor."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64, device=device)
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        meta = cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
+        )
+        if num_decodes:
+            meta.decode_rows, meta.decode_bias = decode_gather_plan(
+                tables[:num_decodes], seq_lens[:num_decodes], num_kv_heads, num_blocks, block_size)
+        return meta
 
 
 @dataclass
 class KVCache:
-    """One layer's pool. Allocated once at start-up; the engine never reallocates it."""
+    """One layer's pool, allocated once at start-up; the engine never reallocates it. Heads lead so that
+    one sequence's gathered blocks are already [kv_heads, tokens, head_dim], the layout matmuls want."""
 
-    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+    value: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+
+
+def decode_gather_plan(block_tables: torch.Tensor, seq_lens: list[int], num_kv_heads: int, num_blocks: int,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool rows to gather, additive mask) for decode sequences whose tables are `block_tables`.
+    Row r of the pool viewed as [kv_heads * num_blocks, block_size * head_dim] is block r % num_blocks
+    of kv head r // num_blocks."""
+    num_seqs = block_tables.shape[0]
+    width = -(-max(seq_lens) // block_size)
+    tables = block_tables[:, :width]
+    heads = torch.arange(num_kv_heads, device=tables.device).view(-1, 1, 1) * num_blocks
+    rows = (heads + tables.unsqueeze(0)).reshape(-1)  # [kv_heads * num_seqs * width]
+    lens = torch.tensor(seq_lens, device=tables.device).view(num_seqs, 1, 1)
+    positions = torch.arange(width * block_size, device=tables.device).view(1, 1, -1)
+    bias = torch.zeros(num_seqs, 1, width * block_size, device=tables.device)
+    return rows, bias.masked_fill_(positions >= lens, float("-inf"))
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    cache.key.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    cache.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    cache.key.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    cache.value.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def gather_kv(cache: KVCache, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first seq_len cached K and V, each [seq_len, num_kv_heads, head_dim]."""
-    num_blocks = -(-seq_len // cache.key.shape[1])
-    blocks = block_table[:num_blocks]
-    shape = (-1, cache.key.shape[2], cache.key.shape[3])
-    return cache.key[blocks].reshape(shape)[:seq_len], cache.value[blocks].reshape(shape)[:seq_len]
+    """One sequence's first seq_len cached K and V, each [num_kv_heads, seq_len, head_dim]."""
+    num_kv_heads, _, block_size, head_dim = cache.key.shape
+    blocks = block_table[: -(-seq_len // block_size)]
+    k = cache.key[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    v = cache.value[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    return k, v
 
 
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -72,23 +109,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
 
 
 def _decode_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Batched over the decode sequences: gather each one's blocks up to the longest, mask the rest."""
-    num_decodes = meta.num_decodes
-    max_len = max(meta.seq_lens_host[:num_decodes])
-    block_size = meta.block_size
-    max_blocks = -(-max_len // block_size)
-    tables = meta.block_tables[:num_decodes, :max_blocks]
-    num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
-    # [num_decodes, kv_heads, max_blocks * block_size, head_dim]
-    k = cache.key[tables].reshape(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = cache.value[tables].reshape(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    positions = torch.arange(k.shape[2], device=q.device)
-    mask = positions.unsqueeze(0) < meta.seq_lens[:num_decodes].unsqueeze(1)  # [num_decodes, kv_len]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=num_kv_heads != q.shape[1],
-    )  # [num_decodes, heads, 1, head_dim]
-    return out.squeeze(2)
+    """All decode sequences at once: gather their blocks (one index_select per K and V), then two
+    batched matmuls over (kv head, sequence). Sequences shorter than the longest are masked by the
+    precomputed bias. q [num_decodes, heads, head_dim] -> same shape."""
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = cache.key.shape[0]
+    group = num_heads // num_kv_heads
+    rows = cache.key.view(-1, cache.key.shape[2] * head_dim)  # [kv_heads * num_blocks, block_size * head_dim]
+    k = rows.index_select(0, meta.decode_rows).view(num_kv_heads * num_decodes, -1, head_dim)
+    v = cache.value.view(rows.shape).index_select(0, meta.decode_rows).view(k.shape)
+    # [kv_heads * num_decodes, group, head_dim]: query heads of one kv head are adjacent (h = kvh * group + g)
+    qg = (q * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
+    scores = torch.bmm(qg, k.transpose(1, 2)).view(num_kv_heads, num_decodes, group, -1)
+    probs = (scores.float() + meta.decode_bias).softmax(dim=-1).to(q.dtype)
+    out = torch.bmm(probs.view(num_kv_heads * num_decodes, group, -1), v)  # [kv_heads * num_decodes, group, head_dim]
+    return out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
@@ -104,12 +139,12 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, sc
         q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
         q_seq = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
         if q_len == seq_len:  # nothing cached before this chunk: plain causal attention
-            k, v = new_k[start : start + q_len], new_v[start : start + q_len]
-            o = _sdpa(q_seq, k.transpose(0, 1), v.transpose(0, 1), scale, None, True)
+            k = new_k[start : start + q_len].transpose(0, 1)
+            v = new_v[start : start + q_len].transpose(0, 1)
+            o = _sdpa(q_seq, k, v, scale, None, True)
         else:
             k, v = gather_kv(cache, meta.block_tables[i], seq_len)
-            mask = causal_mask(q_len, seq_len, q.device)
-            o = _sdpa(q_seq, k.transpose(0, 1), v.transpose(0, 1), scale, mask, False)
+            o = _sdpa(q_seq, k, v, scale, causal_mask(q_len, seq_len, q.device), False)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -119,19 +154,19 @@ def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMe
                               scale: float) -> torch.Tensor:
     """The plain algorithm, one sequence and one head at a time in float32: the yardstick for tests."""
     out = torch.empty_like(q)
-    group = q.shape[1] // cache.key.shape[2]
+    group = q.shape[1] // cache.key.shape[0]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         k, v = gather_kv(cache, meta.block_tables[i], seq_len)
         allowed = causal_mask(q_len, seq_len, q.device)
         for h in range(q.shape[1]):
             qh = q[start : start + q_len, h].float()  # [q_len, head_dim]
-            scores = (qh @ k[:, h // group].float().T) * scale  # [q_len, seq_len]
+            scores = (qh @ k[h // group].float().T) * scale  # [q_len, seq_len]
             scores = scores.masked_fill(~allowed, float("-inf"))
             scores = scores - scores.max(dim=-1, keepdim=True).values  # stable softmax
             weights = scores.exp()
             weights = weights / weights.sum(dim=-1, keepdim=True)
-            out[start : start + q_len, h] = (weights @ v[:, h // group].float()).to(q.dtype)
+            out[start : start + q_len, h] = (weights @ v[h // group].float()).to(q.dtype)
         start += q_len
     return out
 
