@@ -4,6 +4,7 @@ permutation undone so that the rotary layout is Hugging Face's again."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,6 +126,10 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[NamedTenso
                 w = _unpermute_rope_rows(w, config.num_attention_heads)
             elif permute and ".k_proj." in hf_name:
                 w = _unpermute_rope_rows(w, config.num_key_value_heads)
-            return torch.from_numpy(np.array(w, dtype=np.float32))  # writable copy for torch
+            if w.dtype != np.float32:
+                w = w.astype(np.float32)
+            with warnings.catch_warnings():  # F32 tensors are read-only views of the mapped file: we only read
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(w)
 
         yield hf_name, produce
