@@ -114,3 +114,36 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP layer's settings (tinyserve serve). Limits of None mean no limit."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()  # () : the engine's model string
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" on the API routes when set
+    max_queue: int | None = 256  # waiting (unscheduled) samples; beyond it new requests get 503 at once
+    request_timeout: float | None = None  # seconds from arrival; then the request is aborted
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM / SIGINT
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    allowed_origins: tuple[str, ...] = ()  # CORS: off unless origins are given ("*" for any)
+    stall_timeout: float = 60.0  # /health is 503 when work is pending and no step finished for this long
+    warmup: bool = True  # one short generation before reporting ready
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        for name in ("request_timeout", "stall_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -1,0 +1,114 @@
+"""The server's pure parts, without a model: request parsing and SamplingParams mapping, error bodies,
+logprob formats, Prometheus metrics from plain outputs, and the bucket helper."""
+
+import pytest
+from pydantic import ValidationError
+
+from tinyserve.server.errors import BadRequest, bad_request_from_validation
+from tinyserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tinyserve.server.metrics import ServerMetrics, _token_buckets
+from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tinyserve.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_completion_prompt_forms_are_normalised():
+    assert CompletionRequest.model_validate({"prompt": "a"}).prompt == ["a"]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompt == [[1], [2, 3]]
+    for bad in (5, [], [1, "a"], [[1], "a"], [True]):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": bad})
+
+
+def test_sampling_params_mapping():
+    params = CompletionRequest.model_validate({
+        "prompt": "x", "max_tokens": 7, "temperature": 0, "top_k": -1, "stop": "\n", "logprobs": 2, "seed": 3,
+        "logit_bias": {"42": -100}, "ignore_eos": True, "min_tokens": 2, "n": 2, "repetition_penalty": 1.1,
+    }).to_sampling_params()
+    assert (params.max_tokens, params.temperature, params.top_k, params.stop) == (7, 0.0, None, ("\n",))
+    assert (params.logprobs, params.seed, params.logit_bias, params.n) == (2, 3, {42: -100.0}, 2)
+    assert params.ignore_eos and params.min_tokens == 2 and params.repetition_penalty == 1.1
+    defaults = CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params()
+    assert defaults.max_tokens == 16 and defaults.temperature == 1.0 and defaults.logprobs is None
+
+
+def test_chat_mapping_and_renamed_params():
+    assert _chat().to_sampling_params().max_tokens is None  # up to the context, as OpenAI
+    assert _chat(max_tokens=5, max_completion_tokens=9).to_sampling_params().max_tokens == 9
+    assert _chat(logprobs=True).to_sampling_params().logprobs == 0
+    assert _chat(logprobs=True, top_logprobs=4).to_sampling_params().logprobs == 4
+    with pytest.raises(BadRequest) as exc:
+        _chat(logprobs=True, top_logprobs=21).to_sampling_params()
+    assert exc.value.param == "top_logprobs" and exc.value.message.startswith("top_logprobs must be in [0, 20]")
+    with pytest.raises(BadRequest) as exc:
+        _chat(max_completion_tokens=0).to_sampling_params()
+    assert exc.value.param == "max_completion_tokens"
+
+
+def test_chat_messages_content_parts_and_roles():
+    request = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ]})
+    assert [m.as_template_message() for m in request.messages] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+def test_validation_errors_name_the_field():
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]})
+    error = bad_request_from_validation(exc.value)
+    assert error.param == "messages[1].role" and error.status == 400
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate_json(b'{"prompt": "x", "temperature": "0.5"}')
+    assert bad_request_from_validation(exc.value).param == "temperature"  # strict: no string numbers
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate_json(b"{")
+    assert bad_request_from_validation(exc.value).code == "invalid_json"
+    assert BadRequest("m", "p").body() == {"error": {"message": "m", "type": "invalid_request_error",
+                                                     "param": "p", "code": "invalid_value"}}
+
+
+class _FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return {1: "Hel", 2: "lo", 3: " wörld"}[ids[0]]
+
+
+def test_logprob_formats():
+    texts = TokenTexts(_FakeTokenizer())
+    lps = [TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.0))), TokenLogprob(3, float("-inf"), ())]
+    legacy = completion_logprobs(texts, lps, text_offset=4)
+    assert legacy == {"tokens": ["Hel", " wörld"], "token_logprobs": [-0.5, -9999.0],
+                      "top_logprobs": [{"Hel": -0.5, "lo": -1.0}, {}], "text_offset": [4, 7]}
+    chat = chat_logprobs(texts, lps)["content"]
+    assert chat[0]["top_logprobs"][1] == {"token": "lo", "logprob": -1.0, "bytes": [108, 111]}
+    assert bytes(chat[1]["bytes"]).decode() == " wörld"
+
+
+def test_metrics_from_outputs():
+    metrics = ServerMetrics("m", 2048, lambda: None)
+    timing = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=12.0)
+    metrics.on_step([RequestOutput("r", 0, "a", [5])], now=11.0)
+    metrics.on_step([RequestOutput("r", 0, "b", [6], FinishReason.LENGTH, Usage(3, 2), metrics=timing)], now=11.25)
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert value("tinyserve:generation_tokens_total", labels) == 2
+    assert value("tinyserve:prompt_tokens_total", labels) == 3
+    assert value("tinyserve:request_success_total", {**labels, "finished_reason": "length"}) == 1
+    assert value("tinyserve:inter_token_latency_seconds_sum", labels) == 0.25
+    assert value("tinyserve:time_to_first_token_seconds_sum", labels) == 1.0
+    assert value("tinyserve:request_queue_time_seconds_sum", labels) == 0.5
+    assert value("tinyserve:e2e_request_latency_seconds_sum", labels) == 2.0
+    assert b"num_requests_running" not in metrics.render()  # no engine stats yet (loading)
+
+
+def test_token_buckets():
+    assert _token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]

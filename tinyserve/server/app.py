@@ -1,0 +1,45 @@
+"""The FastAPI app factory. Routes, error handlers and middleware are wired here; the app's life
+(load, warm-up, ready, drain, stop) lives in ServerState, driven by the lifespan below."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+import tinyserve
+from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.server import chat, completions, routes
+from tinyserve.server.errors import install_error_handlers
+from tinyserve.server.middleware import RequestContextMiddleware
+from tinyserve.server.state import ServerState
+
+
+def build_app(engine_config: EngineConfig, config: ServerConfig,
+              engine_factory: Callable[[EngineConfig], object] | None = None) -> FastAPI:
+    """`engine_factory(engine_config) -> LLMEngine` replaces the default loader (tests share one loaded
+    model between apps). The model loads in the background once the app starts: /health is 503 until
+    the warm-up generation has run."""
+    state = ServerState(engine_config, config, engine_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="tinyserve", version=tinyserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    for router in (completions.router, chat.router, routes.api, routes.public):
+        app.include_router(router)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes)
+    return app

@@ -1,0 +1,74 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
+from tinyserve.server.intake import (check_model, encode, parse_body, render_chat, require_api_key, server_state,
+                                     validate_prompt)
+from tinyserve.server.logprobs import TokenTexts, chat_logprobs
+from tinyserve.server.protocol import ChatCompletionRequest
+from tinyserve.types import RequestOutput
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
+    state = server_state(request)
+    engine = state.admit()
+    body = await parse_body(request, ChatCompletionRequest)
+    check_model(state, body.model)
+    params = body.to_sampling_params()
+    messages = [m.as_template_message() for m in body.messages]
+    prompt = render_chat(engine, messages, body.add_generation_prompt)
+    prompt_ids = await encode(engine, prompt, add_special_tokens=False)  # the template wrote bos if any
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival,
+                            state.config.request_timeout, request.state.request_id)
+    texts = state.token_texts if params.logprobs is not None else None
+    state.admit()  # again, with no await before queueing: the awaits above let other requests in
+    generation.start()
+    if body.stream:
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.model or state.model_name}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(len(generation.choices))]  # the role first, as OpenAI does
+        return EventStreamResponse(event_stream(generation, head, include_usage, _choice(texts), roles),
+                                   generation.close)
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": body.model or state.model_name}
+    await run_to_end(generation, request)
+    return JSONResponse(_response(generation, head, texts))
+
+
+def _choice(texts: TokenTexts | None):
+    """Streaming: one output -> one choice delta."""
+    def choice(index: int, out: RequestOutput) -> dict | None:
+        if not out.new_text and not out.finished and not out.logprobs:
+            return None  # the detokenizer is holding text back (partial character or stop-string prefix)
+        logprobs = chat_logprobs(texts, out.logprobs) if texts is not None and out.logprobs else None
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        reason = out.finish_reason.value if out.finished else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    return choice
+
+
+def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> dict:
+    choices = [
+        {"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
+         "logprobs": chat_logprobs(texts, c.logprobs) if texts is not None else None,
+         "finish_reason": c.finish_reason}
+        for index, c in enumerate(generation.choices)
+    ]
+    return {**head, "choices": choices, "usage": generation.usage()}

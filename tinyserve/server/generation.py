@@ -1,0 +1,264 @@
+"""One HTTP request's run through the engine, shared by completions and chat.
+
+A Generation owns one engine request per prompt and merges their outputs under OpenAI choice indices
+(prompt i, sample j -> i * n + j). Its deadline is counted from the request's arrival: when it passes,
+the engine aborts the request (blocks freed) and the outputs end with finish_reason "abort". A client
+that goes away closes the generation (streaming) or triggers `abort()` (non-streaming), which aborts
+the engine requests. When the run ends, one log line records it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tinyserve.server.errors import APIError, Timeout
+from tinyserve.types import RequestOutput, SamplingParams, TokenLogprob
+
+request_log = logging.getLogger("tinyserve.requests")
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far (the non-streaming response is built from these)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+
+
+class Generation:
+    """Invariant: after `start()`, every engine request is closed by `close()` (idempotent), which the
+    non-streaming path calls when it ends and the SSE response calls whatever happens to its body."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 priority: int, arrival_time: float, timeout: float | None, http_request_id: str = "-"):
+        self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
+        self.http_request_id = http_request_id  # X-Request-Id: what the client can quote
+        self.priority, self.arrival_time, self.timeout = priority, arrival_time, timeout
+        self.choices = [Choice() for _ in range(len(prompts) * params.n)]
+        self.timed_out = False
+        self._streams: list[RequestStream] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._logged = False
+        self._first_token_time: float | None = None
+        self._first_scheduled_time: float | None = None
+
+    def start(self) -> None:
+        """Queue every prompt in the engine now: no await between the caller's admission check and this."""
+        many = len(self.prompts) > 1
+        ids = [f"{self.request_id}-{i}" if many else self.request_id for i in range(len(self.prompts))]
+        try:
+            for engine_id, prompt in zip(ids, self.prompts, strict=True):
+                self._streams.append(self.engine.submit(engine_id, prompt, self.params, self.priority,
+                                                        self.arrival_time))
+        except BaseException:
+            self.close()
+            raise
+        if self.timeout is not None:
+            self._timer = asyncio.get_running_loop().call_at(self.arrival_time + self.timeout, self._on_timeout)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        cached = sum(c.cached_tokens for c in self.choices[:: self.params.n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def abort(self) -> None:
+        """Ask the engine to finish every sample now (finish_reason abort); the outputs still arrive."""
+        for stream in self._streams:
+            self.engine.abort(stream.request_id)
+
+    def engine_error(self, detail: str) -> APIError:
+        return APIError(f"generation failed: {detail} (request id {self.http_request_id})", code="engine_error")
+
+    def _on_timeout(self) -> None:
+        self.timed_out = True
+        self.abort()
+
+    def close(self) -> None:
+        """Stop listening: unfinished engine requests are aborted and their blocks freed."""
+        if self._timer is not None:
+            self._timer.cancel()
+        for stream in self._streams:
+            stream.close()
+        if self._streams and not self._logged:
+            self._logged = True
+            self._log()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every choice has finished; updates `choices` on the way."""
+        try:
+            async for i, out in self._merged():
+                index = i * self.params.n + out.index
+                self._record(self.choices[index], out)
+                yield index, out
+        finally:
+            self.close()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self._streams) == 1:  # the common case: no tasks, no extra queue
+            async for out in self._streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self._streams[i]:
+                    queue.put_nowait((i, out))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer below
+                queue.put_nowait((i, exc))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self._streams))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _record(self, choice: Choice, out: RequestOutput) -> None:
+        if out.new_text:
+            choice.text.append(out.new_text)
+        choice.num_tokens += len(out.new_token_ids)
+        if out.logprobs:
+            choice.logprobs.extend(out.logprobs)
+        if out.finished:
+            choice.finish_reason = out.finish_reason.value
+            choice.error = out.error
+            if out.usage is not None:
+                choice.cached_tokens = out.usage.cached_tokens
+            m = out.metrics
+            if m is not None:
+                self._first_scheduled_time = _earliest(self._first_scheduled_time, m.first_scheduled_time)
+                self._first_token_time = _earliest(self._first_token_time, m.first_token_time)
+
+    def _log(self) -> None:
+        def since_arrival(t: float | None) -> str:
+            return "-" if t is None else f"{t - self.arrival_time:.3f}"
+
+        reasons = sorted({c.finish_reason or "abort" for c in self.choices})  # no final seen: client gone
+        request_log.info(
+            "request finished id=%s request_id=%s prompt_tokens=%d output_tokens=%d queue_s=%s ttft_s=%s "
+            "total_s=%.3f finish_reason=%s", self.request_id, self.http_request_id, self.num_prompt_tokens,
+            self.num_completion_tokens,
+            since_arrival(self._first_scheduled_time), since_arrival(self._first_token_time),
+            time.monotonic() - self.arrival_time, ",".join(reasons),
+        )
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+async def run_to_end(generation: Generation, request: Request) -> None:
+    """Non-streaming: consume every output while watching for the client's disconnect (then abort).
+    Raises the APIError the client gets when the run did not end normally."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        generation.abort()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for _ in generation.outputs():  # closes the generation when it ends, however it ends
+            pass
+    except EngineDeadError as exc:
+        raise generation.engine_error(str(exc)) from None
+    finally:
+        watcher.cancel()
+    if generation.timed_out and any(c.finish_reason == "abort" for c in generation.choices):
+        raise Timeout(f"the request timed out after {generation.timeout:g}s", code="request_timeout")
+    errors = [c.error for c in generation.choices if c.error]
+    if errors:
+        raise generation.engine_error(errors[0])
+
+
+async def event_stream(generation: Generation, head: dict, include_usage: bool,
+                       choice: Callable[[int, RequestOutput], dict | None],
+                       prelude: Iterable[dict] = ()) -> AsyncIterator[bytes]:
+    """SSE chunks: `prelude` choices, then `choice(index, output)` for each output (None: nothing to
+    send), the usage chunk if asked, and `[DONE]`. An error after the stream started becomes an
+    `error` event before `[DONE]`."""
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for item in prelude:
+            yield sse({**head, "choices": [item], **extra})
+        async for index, out in generation.outputs():
+            item = choice(index, out)
+            if item is not None:
+                yield sse({**head, "choices": [item], **extra})
+            if out.error:
+                yield sse(generation.engine_error(out.error).body())
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": generation.usage()})
+    except EngineDeadError as exc:
+        yield sse(generation.engine_error(str(exc)).body())
+    except Exception:  # noqa: BLE001 - a bug mid-stream: the client still gets an error event and [DONE]
+        logging.getLogger(__name__).exception("unexpected error in stream %s", generation.http_request_id)
+        error = APIError(f"internal server error (request id {generation.http_request_id})", code="internal_error")
+        yield sse(error.body())
+    yield SSE_DONE
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that listen for the client's disconnect for the whole stream, whatever ASGI
+    version the server speaks, so a client gone while its request still waits is noticed at once: the
+    body iterator is cancelled, which closes the engine stream and aborts the request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self.on_close()  # even if the body never started: the engine must forget the request

@@ -1,0 +1,52 @@
+"""TokenLogprob -> OpenAI's two logprobs formats (legacy completions and chat)."""
+
+from __future__ import annotations
+
+from tinyserve.loader.tokenizer import Tokenizer
+from tinyserve.types import TokenLogprob
+
+
+class TokenTexts:
+    """Each token's text on its own (as OpenAI reports it) and its UTF-8 bytes, memoised per token id.
+    NOTE: a token holding part of a multi-byte character decodes to U+FFFD; its bytes are those of that
+    replacement character, not the raw partial bytes."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf
+
+
+def completion_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], text_offset: int) -> dict:
+    """{tokens, token_logprobs, top_logprobs, text_offset}; offsets continue from `text_offset`."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        token = texts.text(lp.token_id)
+        tokens.append(token)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+        "top_logprobs": [{texts.text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> dict:
+    """{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}"""
+    def entry(token_id: int, logprob: float) -> dict:
+        token = texts.text(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}

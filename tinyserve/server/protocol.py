@@ -1,0 +1,210 @@
+"""OpenAI request bodies as pydantic models, and their translation into SamplingParams.
+
+Decisions (the malformed-input tests assert them):
+- Types are strict: "0.5" is not a number, true is not an integer, 1.0 is not an integer.
+- Unknown fields are accepted and ignored, as OpenAI's own SDKs and vLLM tolerate them (clients send
+  newer fields such as `store` or `metadata`); fields we know but cannot honour, and that would change
+  what the client gets (`echo`, `suffix`, `best_of` != n, `tools`, `functions`, a non-text
+  `response_format`, non-text content parts), are a 400 naming the field.
+- Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from tinyserve.server.errors import BadRequest
+from tinyserve.types import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's common extras)."""
+
+    model: str | None = None  # optional here: curl users may leave it out; the served model is used
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM clients send -1 (or 0) for "no top-k"
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: Any = None  # str | list[str]
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs first
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+        """Raises BadRequest naming the field (as the client spelled it, via `renames`)."""
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        try:
+            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise BadRequest("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+        optional = {  # left out when absent, so SamplingParams' defaults apply
+            "temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        fields = {k: v for k, v in optional.items() if v is not None}
+        fields.update(
+            n=self.n, top_k=None if self.top_k in (-1, 0) else self.top_k, logit_bias=logit_bias or None,
+            seed=self.seed, stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+        )
+        try:
+            return SamplingParams(max_tokens=max_tokens, **fields)
+        except ValueError as exc:
+            param = _param_of(str(exc))
+            raise BadRequest(str(exc).replace(param, renames.get(param, param), 1) if param else str(exc),
+                             param=renames.get(param, param), code="invalid_value") from None
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams errors start with the field's name ("temperature must be ...", "stop strings ...")."""
+    word = message.split(" ", 1)[0]
+    return word if word in SamplingParams.__dataclass_fields__ else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> list[str] | list[list[int]]:
+        """Normalised to a list of prompts, each a string or a list of token ids."""
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            return value
+        if is_ids(value) and value:
+            return [value]
+        if isinstance(value, list) and value and all(is_ids(p) for p in value):
+            return value
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise BadRequest("echo is not supported", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise BadRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest(f"best_of must equal n ({self.n}) or be left out, got {self.best_of}", param="best_of")
+        return self.sampling_params(self.max_tokens, self.logprobs, {})
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None  # str | list[TextPart] | None (assistant only)
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> str | None:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = []
+            for i, part in enumerate(value):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"part {i} is of type {kind!r}; only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i} needs a string 'text'")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError("must be a string or a list of text parts")
+
+    def as_template_message(self) -> dict:
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: up to the model's context
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if not self.messages:
+            raise BadRequest("messages: must contain at least one message", param="messages")
+        for i, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise BadRequest(f"messages[{i}].content: required for role {message.role!r}",
+                                 param=f"messages[{i}].content")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise BadRequest(f"{name} (tool calling) is not supported", param=name, code="unsupported_parameter")
+        if self.tool_choice not in (None, "none"):
+            raise BadRequest("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise BadRequest("response_format: only {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        use_completion = self.max_completion_tokens is not None
+        max_tokens = self.max_completion_tokens if use_completion else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        renames = {"logprobs": "top_logprobs"}
+        if use_completion:
+            renames["max_tokens"] = "max_completion_tokens"
+        return self.sampling_params(max_tokens, logprobs, renames)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
