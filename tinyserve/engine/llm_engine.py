@@ -125,11 +125,11 @@ class LLMEngine:
                 # finished in schedule() without a new token (it outgrew the whole KV pool)
                 outputs.append(self.outputs.finished_without_token(request, request.finish_reason))
             else:
-                out, stop_hit = self.outputs.new_tokens(request, result.logprobs.get(request.request_id))
+                text, stop_hit = self.outputs.new_text(request)
                 if stop_hit:
                     self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-                outputs.append(out)
-            if request.is_finished or outputs[-1].finished:
+                outputs.append(self.outputs.token_output(request, text, result.logprobs.get(request.request_id)))
+            if request.is_finished:
                 self.runner.free(request.request_id)
                 self._forget_sample(request)
         return outputs

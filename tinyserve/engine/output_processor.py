@@ -24,17 +24,20 @@ class OutputProcessor:
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
         )
 
-    def new_tokens(self, request: Request, logprobs: TokenLogprob | None) -> tuple[RequestOutput, bool]:
-        """The output for a request that just got one token (and maybe finished). Returns it and whether
-        a stop string was hit (the caller must then finish the request with STOP)."""
+    def new_text(self, request: Request) -> tuple[str, bool]:
+        """Text delta for the token a request just got, and whether it completed a stop string (the
+        caller then finishes the request with STOP before asking for its output)."""
         detok = self._detokenizers[request.request_id]
-        new_id = request.output_token_ids[-1]
-        text = detok.step([new_id])
-        stop_hit = detok.stop_hit is not None and not request.is_finished
-        reason = FinishReason.STOP if stop_hit else request.finish_reason
-        if reason is not None and not stop_hit:
+        text = detok.step(request.output_token_ids[-1:])
+        return text, detok.stop_hit is not None and not request.is_finished
+
+    def token_output(self, request: Request, text: str, logprobs: TokenLogprob | None) -> RequestOutput:
+        """The output carrying one new token (and the final usage if the request is now finished)."""
+        detok = self._detokenizers[request.request_id]
+        if request.is_finished and detok.stop_hit is None:
             text += detok.flush()
-        return self._output(request, text, [new_id], reason, [logprobs] if logprobs else None), stop_hit
+        return self._output(request, text, request.output_token_ids[-1:], request.finish_reason,
+                            [logprobs] if logprobs else None)
 
     def finished_without_token(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """Final output of a request ended from outside (abort, timeout, error): no new token."""
