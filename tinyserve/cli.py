@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 from tinyserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 
@@ -92,9 +95,163 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--dataset", default="random", choices=["random", "prefix-repetition", "sharegpt"])
+    g.add_argument("--dataset-path", default=None, help="sharegpt: a JSON list of conversations")
+    g.add_argument("--num-prompts", type=int, default=200)
+    g.add_argument("--input-len", type=int, default=256,
+                   help="tokens of the random part (random) or of each suffix (prefix-repetition)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="max_tokens per request (default 128; sharegpt: the recorded reply's length)")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary in [len*(1-r), len*(1+r)]")
+    g.add_argument("--prefix-len", type=int, default=0, help="tokens of the shared prefix (of each prefix)")
+    g.add_argument("--num-prefixes", type=int, default=8, help="prefix-repetition: distinct prefixes")
+    g.add_argument("--tokenizer", default=None,
+                   help="counts prompt tokens: alias, .gguf or HF folder (default: --model if local, else "
+                        f"{DEFAULT_MODEL})")
+    g.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
+    c = parser.add_argument_group("client")
+    c.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    c.add_argument("--model", default=None, help="model name sent (default: the first of GET /v1/models)")
+    c.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default inf)")
+    c.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    c.add_argument("--num-warmups", type=int, default=1, help="requests sent first and not measured")
+    c.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request")
+    c.add_argument("--timeout", type=float, default=600.0, help="seconds per request read")
+    c.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--result-file", type=Path, default=None, help="JSON result (default: bench-results/)")
+    c.add_argument("--plot", nargs="?", const="auto", default=None, metavar="PNG",
+                   help="write a PNG (default: next to the result file); needs matplotlib")
+    c.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _serve_bench_config(args: argparse.Namespace, base_url: str):
+    from tinyserve.bench.config import DatasetConfig, ServeBenchConfig
+    from tinyserve.bench.datasets import tokenizer_for
+
+    dataset = DatasetConfig(
+        name=args.dataset, num_prompts=args.num_prompts, seed=args.seed, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes, path=args.dataset_path, tokenizer=args.tokenizer or tokenizer_for(args.model),
+    )
+    slos = {}
+    for item in args.goodput:
+        key, sep, value = item.partition(":")
+        try:
+            slos[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput takes KEY:MS pairs (ttft, tpot, e2el), got {item!r}") from None
+    return ServeBenchConfig(
+        base_url=base_url, endpoint=args.endpoint, model=args.model, dataset=dataset,
+        max_concurrency=getattr(args, "max_concurrency", None), request_rate=args.request_rate,
+        burstiness=args.burstiness, seed=args.seed, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, extra_body=args.extra_body, api_key=os.environ.get("OPENAI_API_KEY"),
+        timeout_s=args.timeout, goodput_slos_ms=slos, show_progress=not args.no_progress,
+    )
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tinyserve.bench.commands import bench_serve
+
+    return bench_serve(_serve_bench_config(args, args.base_url), args.result_file, args.plot)
+
+
+def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from tinyserve.bench.commands import bench_sweep
+    from tinyserve.bench.config import SweepConfig
+
+    urls = args.base_url or ["http://127.0.0.1:8000"]
+    targets = tuple((u.partition("=")[0], u.partition("=")[2]) if "=" in u else (u, u) for u in urls)
+    config = SweepConfig(_serve_bench_config(args, targets[0][1]), targets, tuple(args.concurrency), args.num_runs)
+    return bench_sweep(config, args.result_file, args.plot)
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from tinyserve.bench.commands import bench_offline
+    from tinyserve.bench.config import OfflineBenchConfig
+
+    config = OfflineBenchConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_prompts=args.num_prompts,
+        input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
+        seed=args.seed, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+    )
+    return bench_offline(config, args.result_file)
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmark a server (serve, sweep) or the engine alone (offline)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    serve = kinds.add_parser("serve", help="load-test any OpenAI-compatible server with streamed requests")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    _bench_workload_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+    sweep = kinds.add_parser("sweep", help="one workload at several concurrencies: throughput vs latency")
+    sweep.add_argument("--base-url", action="append", metavar="[LABEL=]URL",
+                       help="a server to compare (repeat for several; default http://127.0.0.1:8000)")
+    sweep.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    sweep.add_argument("--num-runs", type=int, default=1, help="repeats; tables show median [min-max]")
+    _bench_workload_args(sweep)
+    sweep.set_defaults(func=cmd_bench_sweep)
+    offline = kinds.add_parser("offline", help="the engine alone: random prompts, ignore_eos, all at once")
+    add_engine_args(offline)
+    offline.add_argument("--num-prompts", type=int, default=256)
+    offline.add_argument("--input-len-range", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
+    offline.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    offline.add_argument("--result-file", type=Path, default=None)
+    offline.set_defaults(func=cmd_bench_offline, dtype="bfloat16")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from tinyserve.config import ServerConfig
+    from tinyserve.server.launcher import serve
+
+    config = ServerConfig(
+        host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or os.environ.get("TINYSERVE_API_KEY") or None, max_queue=args.max_queue,
+        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
+        stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
+    )
+    return serve(engine_config_from_args(args), config, args.log_level)
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use (default: --model); the first is reported")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes "
+                   "(default: $TINYSERVE_API_KEY; /health, /metrics and /version stay open)")
+    g.add_argument("--max-queue", type=lambda s: None if s.lower() == "none" else int(s), default=256,
+                   metavar="N", help="waiting sequences beyond which new requests get 503 ('none': no limit)")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="abort a request this many seconds after its arrival (default: never)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, in-flight requests get this long to finish before being aborted")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    g.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
+                   help="enable CORS for these origins ('*' for any); off by default")
+    g.add_argument("--stall-timeout", type=float, default=60.0, metavar="S",
+                   help="/health is 503 when work is pending and no step has finished for this long")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve, log_level="info")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyserve", description="An LLM inference server from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="complete one prompt and print it as it streams")
     gen.add_argument("prompt")
     add_engine_args(gen)
@@ -105,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    _add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Reports of benchmark runs: text tables (tables.py) and PNG plots (plot.py, needs matplotlib)."""
