@@ -18,7 +18,7 @@ TEXT = (
 )
 
 
-def _engine(loaded, *, num_blocks=None, max_num_seqs=64, budget=512, prefix_caching=True, max_model_len=None):
+def _engine(loaded, *, num_blocks=256, max_num_seqs=64, budget=512, prefix_caching=True, max_model_len=1024):
     config = EngineConfig(
         cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -49,7 +49,7 @@ def mixed_workload(smollm2_loaded):
         n = rng.randint(5, 400)
         start = rng.randint(0, len(tokens) - n)
         prompts.append(tokens[start : start + n])
-        lengths.append(rng.randint(1, 24))
+        lengths.append(rng.randint(1, 16))
     return prompts, lengths
 
 
@@ -66,7 +66,7 @@ def test_batch_invariance_under_queueing_chunking_and_preemption(smollm2_loaded,
     together = _run(busy, prompts, params)
     assert busy.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        alone = _run(_engine(smollm2_loaded, max_model_len=480), [prompt], [p])
+        alone = _run(_engine(smollm2_loaded, num_blocks=30, max_model_len=480), [prompt], [p])
         assert together[(i, 0)][0] == alone[(0, 0)][0], f"request {i} depends on its batch"
         assert len(together[(i, 0)][0]) == lengths[i]
 
