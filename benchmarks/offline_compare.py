@@ -40,12 +40,14 @@ def case_command(case: str, args: argparse.Namespace) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common]
 
 
-def run_case(case: str, args: argparse.Namespace) -> dict:
+def run_case(case: str, args: argparse.Namespace) -> dict | None:
+    """One case in its own process; None (and its stderr shown) if it failed: the other cases still count."""
     command = case_command(case, args)
     print(f"[{time.strftime('%H:%M:%S')}] {case}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent)
     if done.returncode != 0:
-        raise SystemExit(f"{case} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        print(f"  {case} failed ({done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return None
     record = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"  {record['output_tokens_per_s']:.1f} output tok/s in {record['elapsed_s']:.0f}s, "
           f"peak RSS {record['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
@@ -96,7 +98,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {case: [] for case in cases}
     for _ in range(args.repeats):
         for case in cases:
-            runs[case].append(run_case(case, args))
+            if (record := run_case(case, args)) is not None:
+                runs[case].append(record)
+    runs = {case: records for case, records in runs.items() if records}
+    if not runs:
+        raise SystemExit("every case failed")
     text, summary = table(runs)
     print(text)
     record = {"bench": "offline_compare", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
