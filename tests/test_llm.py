@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tinyserve.engine.reference import greedy_generate
-from tinyserve.llm import LLM
+from tinyserve import LLM
 from tinyserve.types import FinishReason, SamplingParams
 
 
