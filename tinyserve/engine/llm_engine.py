@@ -98,7 +98,6 @@ class LLMEngine:
         for internal_id in self._samples.pop(request_id, []):
             request = self.scheduler.get_request(internal_id)
             if request is not None and self.scheduler.finish_request(internal_id, reason):
-                self.runner.free(internal_id)
                 finals.append(self.outputs.finished_without_token(request, reason, error))
         return finals
 
@@ -121,6 +120,10 @@ class LLMEngine:
     def _collect(self, changed: list[Request], result: StepResult) -> list[RequestOutput]:
         outputs = []
         for request in changed:
+            if request.is_finished and request.request_id in result.sampled:
+                # finished by update_from_output (EOS, length); every other finish (abort, stop string,
+                # outgrown pool) comes back in the next step's finished_ids, where step() frees it
+                self.runner.free(request.request_id)
             if request.request_id not in result.sampled:
                 # finished in schedule() without a new token (it outgrew the whole KV pool)
                 outputs.append(self.outputs.finished_without_token(request, request.finish_reason))
@@ -130,7 +133,6 @@ class LLMEngine:
                     self.scheduler.finish_request(request.request_id, FinishReason.STOP)
                 outputs.append(self.outputs.token_output(request, text, result.logprobs.get(request.request_id)))
             if request.is_finished:
-                self.runner.free(request.request_id)
                 self._forget_sample(request)
         return outputs
 
