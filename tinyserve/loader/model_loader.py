@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
+from tinyserve.layers.linear import can_pack, pack_linear_weights
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
@@ -62,8 +63,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "auto":  # bfloat16 where the hardware has fast kernels for it (as vLLM does), else float32
+        fast_bf16 = device.type == "cuda" or can_pack(torch.bfloat16, device)
+        return torch.bfloat16 if fast_bf16 else torch.float32
     return getattr(torch, dtype)
 
 
@@ -74,6 +76,8 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
     model = model.to_empty(device=device)
     with torch.no_grad():
         load_weights(model, tensors, ignore=ignore)
+    if can_pack(dtype, device):
+        pack_linear_weights(model)
     return model.eval().requires_grad_(False)
 
 

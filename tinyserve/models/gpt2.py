@@ -8,12 +8,12 @@ them one to one; the checkpoint's c_attn already holds q, k and v stacked, so no
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.config import ModelConfig
 from tinyserve.layers.activation import gelu_tanh
 from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.norm import LayerNorm
 
 
@@ -22,8 +22,8 @@ class GPT2Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         hidden = config.hidden_size
-        self.c_attn = nn.Linear(hidden, 3 * hidden)  # q, k, v stacked on the output dim
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, 3 * hidden)  # q, k, v stacked on the output dim
+        self.c_proj = Linear(hidden, hidden)
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -37,8 +37,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(gelu_tanh(self.c_fc(x)))
@@ -78,10 +78,8 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = GPT2Model(config)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (TiedLMHead(self.transformer.wte) if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -97,5 +95,4 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size]"""
-        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)

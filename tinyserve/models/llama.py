@@ -8,13 +8,12 @@ tokens of many sequences (with their positions and attention metadata) to hidden
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.config import ModelConfig
 from tinyserve.layers.activation import SiluAndMul
 from tinyserve.layers.attention import Attention, AttentionMetadata
-from tinyserve.layers.linear import MergedLinear
+from tinyserve.layers.linear import Linear, MergedLinear, TiedLMHead
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding
 
@@ -26,7 +25,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
@@ -52,7 +51,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +90,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (TiedLMHead(self.model.embed_tokens) if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -106,5 +106,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size]; only the positions that are sampled get here."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)
