@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tinyserve.layers.attention import (
-    AttentionMetadata, KVCache, causal_mask, paged_attention, reference_paged_attention, write_kv,
+    AttentionMetadata, KVCache, causal_mask, decode_group_bounds, paged_attention, reference_paged_attention,
+    write_kv,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
@@ -56,6 +57,8 @@ MIXES = [
     [(7, 1), (0, 1), (12, 1)],
     [(0, 9), (5, 6), (3, 1)],  # a decode after prefills is handled as a one-token chunk
     [(15, 1), (1, 1), (0, 13), (8, 5), (21, 2)],
+    # 40 decodes, longest first as the runner orders them: two groups, each padded to its own longest
+    [(c, 1) for c in range(95, 15, -2)] + [(4, 6)],
 ]
 
 
@@ -85,3 +88,16 @@ def test_bfloat16_close_to_float32_reference():
 def test_causal_mask_offsets_by_cached_tokens():
     mask = causal_mask(2, 5, torch.device("cpu"))
     assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
+    assert decode_group_bounds([]) == []
+    assert decode_group_bounds([9] * 15) == [(0, 15)]
+    assert decode_group_bounds([9] * 40) == [(0, 20), (20, 40)]
+    assert decode_group_bounds([9] * 100) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    seqs = [(c, 1) for c in range(95, 15, -2)]
+    _, meta, *_ = _build(seqs, torch.float32)
+    assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 20), (20, 40)]
+    # each group is padded to its own longest sequence (96 and 56 tokens), not to the step's longest
+    assert meta.decode_groups[0].bias.shape == (20, 1, 96)
+    assert meta.decode_groups[1].bias.shape == (20, 1, 56)

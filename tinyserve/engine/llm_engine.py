@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
-from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.memory import keep_freed_host_memory, resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.scheduler import Scheduler
@@ -40,6 +40,8 @@ class LLMEngine:
             hash_seed=f"{loaded.source}:{param.dtype}",
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        if param.device.type == "cpu":
+            keep_freed_host_memory()
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self._samples: dict[str, list[str]] = {}  # user request id -> its samples' internal ids

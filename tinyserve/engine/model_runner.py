@@ -1,7 +1,8 @@
 """Executes one scheduled step: one flattened batch, one forward, one sample per finished chunk.
 
 The batch has no padding between sequences: each sequence contributes exactly the tokens the scheduler
-gave it. Sequences with one new token (decodes) go first so attention can treat them in one batched call.
+gave it. Sequences with one new token (decodes) go first, longest context first, so that attention can
+treat them in a few batched calls over groups of similar length.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
     sampled_requests: list[Request]
+
+
+def _batch_order(request: Request, num_new: int) -> tuple[bool, int]:
+    """Sort key: decodes before prefill chunks, decodes by context length, longest first (stable)."""
+    is_decode = num_new == 1
+    return (not is_decode, -request.num_computed_tokens if is_decode else 0)
 
 
 class ModelRunner:
@@ -61,7 +68,7 @@ class ModelRunner:
         self.sampler.free(request_id)
 
     def _prepare(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]) -> _Batch:
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)  # decodes first, stable
+        order = sorted(range(len(scheduled)), key=lambda i: _batch_order(*scheduled[i]))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
