@@ -1,0 +1,73 @@
+"""Where a decode step's time goes, by batch size: linears, attention, other ops, and the wall time no
+op accounts for (Python in the model and the engine). docs/PERFORMANCE.md quotes its tables.
+
+Each batch: B prompts of P random tokens are prefilled, 5 decode steps warm up, the median wall time
+of 10 steps is the step time, and `torch.profiler` over 5 more steps splits the op time.
+
+    .venv/bin/python benchmarks/step_breakdown.py --batch-sizes 1,16,64 --prompt-len 256 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from torch.profiler import profile
+
+from tinyserve.config import EngineConfig, SchedulerConfig
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.types import SamplingParams
+
+LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def decode_breakdown(batch: int, prompt_len: int, dtype: str, model: str) -> dict[str, float]:
+    config = EngineConfig(model=model, dtype=dtype,
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=512))
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(prompt_len)], params)
+    while engine.scheduler.num_waiting or any(r.num_computed_tokens < prompt_len for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    walls = []
+    for _ in range(10):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    steps = 5
+    with profile() as prof:
+        for _ in range(steps):
+            engine.step()
+    split = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / steps
+        split["linear" if event.key in LINEAR_OPS else "attention" if event.key in ATTENTION_OPS else "other ops"] += ms
+    wall_ms = statistics.median(walls) * 1e3
+    return {"step_ms": wall_ms, **split, "outside ops": max(0.0, wall_ms - sum(split.values()))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default="smollm2-135m")
+    args = parser.parse_args()
+    print("| batch | step ms | tok/s | linear ms | attention ms | other ops ms | outside ops ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in map(int, args.batch_sizes.split(",")):
+        r = decode_breakdown(batch, args.prompt_len, args.dtype, args.model)
+        print(f"| {batch} | {r['step_ms']:.1f} | {batch / r['step_ms'] * 1e3:.0f} | {r['linear']:.1f} | "
+              f"{r['attention']:.1f} | {r['other ops']:.1f} | {r['outside ops']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
