@@ -52,10 +52,9 @@ class ServerState:
 
     async def _load(self) -> None:
         try:
-            llm_engine = await asyncio.to_thread(self._build_engine)
+            engine = await AsyncEngine.launch(self._build_engine)  # built on the thread that steps it
+            llm_engine = engine.engine
             self.max_model_len = llm_engine.max_model_len
-            engine = AsyncEngine(llm_engine)
-            engine.start()
             self.engine = engine
             if self.config.warmup:
                 await self._warm_up()
