@@ -4,7 +4,7 @@ A MergedLinear is one matmul standing for several checkpoint projections stacked
 (q/k/v, gate/up): fewer, larger ops per step. The loader fills it shard by shard.
 
 Why repack: on CPU, `F.linear` in bfloat16 goes to oneDNN, which converts the plain [out, in] weight to
-its blocked (AMX-tile) layout on every call. Converting once at load time and calling oneDNN with the
+its blocked layout on every call. Converting once at load time and calling oneDNN with the
 blocked weight (what inductor's freezing pass does) measured 1.4-1.9x faster over the model's linears
 at 1-64 tokens per step on this machine (docs/PERFORMANCE.md). The plain copy is then dropped: weights
 live once, in the layout the kernel reads.
