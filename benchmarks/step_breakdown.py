@@ -21,7 +21,7 @@ from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
-ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_",
+ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_", "aten::_embedding_bag",
                  "aten::_scaled_dot_product_flash_attention_for_cpu"}
 
 

@@ -68,6 +68,9 @@ class DecodeGroup:
     end: int
     rows: torch.Tensor  # [kv_heads * num_seqs * width_blocks] rows of the pool to gather
     bias: torch.Tensor  # [num_seqs, 1, width_blocks * block_size] float32: 0, or -inf past a sequence's end
+    # token rows of the value pool for each (kv head, sequence, query head of the group), one bag each;
+    # built by the first layer that needs it (it depends on the query group size) and shared by the rest
+    value_bags: torch.Tensor | None = None
 
 
 # A decode group below this many sequences is not worth its own ops (about 0.2 ms per layer).
@@ -137,20 +140,29 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
 
 
 def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale: float) -> torch.Tensor:
-    """One group of decode sequences at once: gather their blocks (one index_select per K and V), then
-    two batched matmuls over (kv head, sequence). Sequences shorter than the group's longest are masked
-    by the precomputed bias. q [num_decodes, heads, head_dim] -> same shape."""
+    """One group of decode sequences at once: gather their K blocks (one index_select) for one batched
+    matmul over (kv head, sequence), softmax, then sum V's pool rows weighted by the probabilities
+    (embedding_bag). Sequences shorter than the group's longest are masked by the precomputed bias.
+    q [num_decodes, heads, head_dim] -> same shape."""
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = cache.key.shape[0]
     group = num_heads // num_kv_heads
     rows = cache.key.view(-1, cache.key.shape[2] * head_dim)  # [kv_heads * num_blocks, block_size * head_dim]
     k = rows.index_select(0, plan.rows).view(num_kv_heads * num_decodes, -1, head_dim)
-    v = cache.value.view(rows.shape).index_select(0, plan.rows).view(k.shape)
     # [kv_heads * num_decodes, group, head_dim]: query heads of one kv head are adjacent (h = kvh * group + g)
     qg = (q * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
     scores = torch.bmm(qg, k.transpose(1, 2)).view(num_kv_heads, num_decodes, group, -1)
-    probs = (scores.float() + plan.bias).softmax(dim=-1).to(q.dtype)
-    out = torch.bmm(probs.view(num_kv_heads * num_decodes, group, -1), v)  # [kv_heads * num_decodes, group, head_dim]
+    probs = (scores.float() + plan.bias).softmax(dim=-1).to(q.dtype)  # [kv_heads, num_decodes, group, width]
+    # probs x V as a weighted sum of pool rows (embedding_bag): V is read once, never gathered into a copy
+    width = probs.shape[-1]
+    if plan.value_bags is None:
+        block_size = cache.value.shape[2]
+        tokens = (plan.rows.view(-1, 1) * block_size + torch.arange(block_size, device=q.device)).view(
+            num_kv_heads, num_decodes, 1, width)
+        plan.value_bags = tokens.expand(num_kv_heads, num_decodes, group, width).reshape(-1)
+    offsets = torch.arange(0, plan.value_bags.numel(), width, device=q.device)
+    out = F.embedding_bag(plan.value_bags, cache.value.view(-1, head_dim), offsets, mode="sum",
+                          per_sample_weights=probs.reshape(-1))  # [kv_heads * num_decodes * group, head_dim]
     return out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
