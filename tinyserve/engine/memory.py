@@ -73,10 +73,11 @@ def keep_freed_host_memory() -> bool:
     """Tell glibc's malloc to keep freed memory instead of returning it to the kernel at once.
 
     Why: a CPU step allocates and frees the same multi-MB activations (KV gathers, MLP outputs) every
-    layer. By default glibc maps big blocks fresh from the kernel and hands the top of its heap back to the kernel on free, so the next allocation
-    page-faults the memory in again: on the offline benchmark that was 1/3 of all CPU time in the kernel
-    and cost 35% of throughput. The heap then stays at its high-water mark, which the steady state
-    reaches anyway. Returns False (and changes nothing) where the C library is not glibc."""
+    layer. By default glibc maps big blocks fresh from the kernel and hands the top of its heap back on
+    free, so the next allocation page-faults the memory in again: on the offline benchmark that was 1/3
+    of all CPU time in the kernel and cost 35% of throughput. The heap then stays at its high-water
+    mark, which the steady state reaches anyway. Returns False (and changes nothing) where the C
+    library is not glibc."""
     import ctypes
     import ctypes.util
 

@@ -68,9 +68,11 @@ class DecodeGroup:
     end: int
     rows: torch.Tensor  # [kv_heads * num_seqs * width_blocks] rows of the pool to gather
     bias: torch.Tensor  # [num_seqs, 1, width_blocks * block_size] float32: 0, or -inf past a sequence's end
-    # token rows of the value pool for each (kv head, sequence, query head of the group), one bag each;
-    # built by the first layer that needs it (it depends on the query group size) and shared by the rest
+    # token rows of the value pool for each (kv head, sequence, query head of the group), one bag each,
+    # and where each bag starts; built by the first layer (they depend on the query group size) and
+    # shared by the rest
     value_bags: torch.Tensor | None = None
+    value_bag_offsets: torch.Tensor | None = None
 
 
 # A decode group below this many sequences is not worth its own ops (about 0.2 ms per layer).
@@ -160,8 +162,8 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale:
         tokens = (plan.rows.view(-1, 1) * block_size + torch.arange(block_size, device=q.device)).view(
             num_kv_heads, num_decodes, 1, width)
         plan.value_bags = tokens.expand(num_kv_heads, num_decodes, group, width).reshape(-1)
-    offsets = torch.arange(0, plan.value_bags.numel(), width, device=q.device)
-    out = F.embedding_bag(plan.value_bags, cache.value.view(-1, head_dim), offsets, mode="sum",
+        plan.value_bag_offsets = torch.arange(0, plan.value_bags.numel(), width, device=q.device)
+    out = F.embedding_bag(plan.value_bags, cache.value.view(-1, head_dim), plan.value_bag_offsets, mode="sum",
                           per_sample_weights=probs.reshape(-1))  # [kv_heads * num_decodes * group, head_dim]
     return out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
