@@ -5,6 +5,7 @@ Each batch: B prompts of P random tokens are prefilled, 5 decode steps warm up, 
 of 10 steps is the step time, and `torch.profiler` over 5 more steps splits the op time.
 
     .venv/bin/python benchmarks/step_breakdown.py --batch-sizes 1,16,64 --prompt-len 256 --dtype bfloat16
+    .venv/bin/python benchmarks/step_breakdown.py --batch-sizes 1,4 --quantization int4
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from tinyserve.config import EngineConfig, SchedulerConfig
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
-LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::_weight_int8pack_mm",
+              "aten::_weight_int4pack_mm_for_cpu"}
 ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_", "aten::_embedding_bag",
                  "aten::_scaled_dot_product_flash_attention_for_cpu"}
 
 
-def decode_breakdown(batch: int, prompt_len: int, dtype: str, model: str) -> dict[str, float]:
-    config = EngineConfig(model=model, dtype=dtype,
+def decode_breakdown(batch: int, prompt_len: int, dtype: str, model: str,
+                     quantization: str | None = None) -> dict[str, float]:
+    config = EngineConfig(model=model, dtype=dtype, quantization=quantization,
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=512))
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -60,11 +63,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
     args = parser.parse_args()
     print("| batch | step ms | tok/s | linear ms | attention ms | other ops ms | outside ops ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch in map(int, args.batch_sizes.split(",")):
-        r = decode_breakdown(batch, args.prompt_len, args.dtype, args.model)
+        r = decode_breakdown(batch, args.prompt_len, args.dtype, args.model, args.quantization)
         print(f"| {batch} | {r['step_ms']:.1f} | {batch / r['step_ms'] * 1e3:.0f} | {r['linear']:.1f} | "
               f"{r['attention']:.1f} | {r['other ops']:.1f} | {r['outside ops']:.1f} |", flush=True)
 

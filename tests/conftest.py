@@ -48,3 +48,23 @@ def smollm2_loaded():
     from tinyserve.loader.model_loader import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def tiny_llama():
+    """A factory of small random float32 Llamas (2 layers, GQA), tied or not."""
+    from tinyserve.config import ModelConfig
+    from tinyserve.models.llama import LlamaForCausalLM
+
+    def make(tied: bool):
+        config = ModelConfig(architecture="llama", vocab_size=320, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                             max_position_embeddings=256, norm_eps=1e-5, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.2)
+        return model.eval().requires_grad_(False)
+
+    return make

@@ -6,10 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyserve.config import ModelConfig
 from tinyserve.engine.reference import forward_sequence
-from tinyserve.layers.linear import Linear, MergedLinear, TiedLMHead, can_pack, pack_linear_weights
-from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.layers.linear import (
+    Linear,
+    MergedLinear,
+    TiedLMHead,
+    can_pack,
+    pack_linear_weights,
+)
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this CPU's oneDNN has no bfloat16 kernels")
@@ -18,18 +22,6 @@ needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")
 def test_can_pack_only_bfloat16_on_cpu():
     assert not can_pack(torch.float32, torch.device("cpu"))
     assert not can_pack(torch.bfloat16, torch.device("cuda"))
-
-
-def _tiny_llama(tied: bool) -> LlamaForCausalLM:
-    config = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-                         max_position_embeddings=256, norm_eps=1e-5, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
 @needs_pack
@@ -46,8 +38,8 @@ def test_packed_linear_equals_plain(rows):
 
 @needs_pack
 @pytest.mark.parametrize("tied", [True, False])
-def test_packed_model_logits_equal_plain(tied):
-    plain = _tiny_llama(tied)
+def test_packed_model_logits_equal_plain(tied, tiny_llama):
+    plain = tiny_llama(tied).to(torch.bfloat16)
     packed = copy.deepcopy(plain)
     linears = sum(isinstance(m, (Linear, TiedLMHead)) for m in packed.modules())
     assert pack_linear_weights(packed) == linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer + head

@@ -18,6 +18,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"alias ({DEFAULT_MODEL}), path to a .gguf file, or a Hugging Face checkpoint folder")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization on CPU (bfloat16 activations): faster single-stream decode, "
+                        "slower at large batches; see README 'Speed modes'")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV cache budget in GiB (default: 1 GiB on CPU, half the free memory on CUDA)")
     g.add_argument("--block-size", type=int, default=16)
@@ -31,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -175,7 +178,8 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     from tinyserve.bench.config import OfflineBenchConfig
 
     config = OfflineBenchConfig(
-        model=args.model, dtype=args.dtype, device=args.device, num_prompts=args.num_prompts,
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        num_prompts=args.num_prompts,
         input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
         seed=args.seed, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,

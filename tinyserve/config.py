@@ -107,6 +107,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # alias, path to a .gguf file, or a Hugging Face checkpoint folder
     dtype: DType = "auto"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    quantization: str | None = None  # weight-only "int8" / "int4" (CPU, bfloat16); see layers/quant.py
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -114,6 +115,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4 (or unset); got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

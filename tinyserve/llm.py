@@ -52,11 +52,12 @@ class GenerationResult:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", *,
+                 quantization: str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  kv_cache_memory: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int = 0):
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed,
+            model=model, dtype=dtype, device=device, quantization=quantization, seed=seed,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -136,6 +136,7 @@ class OfflineBenchConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"
+    quantization: str | None = None
     device: str = "auto"
     num_prompts: int = 256
     input_len_range: tuple[int, int] = (64, 512)  # inclusive

@@ -45,7 +45,8 @@ def run_offline(config: OfflineBenchConfig) -> dict:
     from tinyserve.llm import LLM
     from tinyserve.types import SamplingParams
 
-    llm = LLM(config.model, config.dtype, config.device, max_num_seqs=config.max_num_seqs,
+    llm = LLM(config.model, config.dtype, config.device, quantization=config.quantization,
+              max_num_seqs=config.max_num_seqs,
               max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_memory_gib,
               enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
     if config.num_warmup_tokens:
@@ -60,6 +61,7 @@ def run_offline(config: OfflineBenchConfig) -> dict:
     stats = llm.engine.stats()
     return {
         "bench": "offline", "engine": "tinyserve", "model": config.model, "dtype": config.dtype,
+        "quantization": config.quantization,
         "device": str(llm.engine.runner.device), "torch_threads": _torch_threads(),
         "num_prompts": config.num_prompts, "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens, "seed": config.seed,

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        loaded = loaded or load_model(config.model, config.dtype, config.device)
+        loaded = loaded or load_model(config.model, config.dtype, config.device, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         param = next(loaded.model.parameters())
@@ -37,7 +37,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            hash_seed=f"{loaded.source}:{param.dtype}",
+            hash_seed=f"{loaded.source}:{param.dtype}:{config.quantization}",  # cached KV is per weights
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         if param.device.type == "cpu":

@@ -25,10 +25,13 @@ def _own_kv_cache(model: nn.Module, max_len: int, block_size: int):
 
 
 @torch.inference_mode()
-def forward_sequence(model: nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Logits at every position of one sequence in one prefill: [len(token_ids), vocab] float32."""
+def forward_sequence(model: nn.Module, token_ids: list[int], block_size: int = 16,
+                     step_tokens: int | None = None) -> torch.Tensor:
+    """Logits at every position of one sequence: [len(token_ids), vocab] float32. In one prefill, or in
+    steps of `step_tokens` tokens (1: as decoding computes them, which may take other kernels)."""
+    step = step_tokens or max(len(token_ids), 1)
     with _own_kv_cache(model, len(token_ids), block_size) as runner:
-        return runner.run(token_ids, 0).float()
+        return torch.cat([runner.run(token_ids[i:i + step], i).float() for i in range(0, len(token_ids), step)])
 
 
 @torch.inference_mode()

@@ -16,12 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.layers.quant import Int4Weight, Int8Weight, quantized_matmul
+
 # Tokens per step the blocked layout is tuned for; measured flat from 1 to 300 tokens per step.
 PACK_BATCH_HINT = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+           quantized: Int8Weight | Int4Weight | None = None) -> torch.Tensor:
+    if quantized is not None and x.numel() <= quantized.max_tokens * x.shape[-1]:
+        out = quantized_matmul(x, quantized)
+        return out if bias is None else out + bias
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -31,9 +36,10 @@ class Linear(nn.Linear):
     """nn.Linear whose weight can be repacked once for oneDNN (see pack_linear_weights)."""
 
     packed_weight: torch.Tensor | None = None
+    quantized: Int8Weight | Int4Weight | None = None  # see layers/quant.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized)
 
 
 class MergedLinear(Linear):
@@ -80,5 +86,22 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
             if isinstance(module, Linear):
                 module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+            count += 1
+    return count
+
+
+def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
+    """Quantize every block Linear of a loaded (float32) model in place; returns how many.
+
+    The LM head stays in the model's dtype: it picks every token, and at one token per step int8 saved
+    only 0.3 of its 1.6 ms here (int4: 0.9 ms). The float weight is overwritten with the dequantized
+    values, so the path for large steps computes the same model.
+    """
+    count = 0
+    fmt = Int8Weight if quantization == "int8" else Int4Weight
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.quantized is None and name.rsplit(".", 1)[-1] != "lm_head":
+            module.quantized = fmt(module.weight.detach())
+            module.weight.data.copy_(module.quantized.dequantize())
             count += 1
     return count

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
-from tinyserve.layers.linear import can_pack, pack_linear_weights
+from tinyserve.layers.linear import (
+    can_pack,
+    pack_linear_weights,
+    quantize_linear_weights,
+)
+from tinyserve.layers.quant import check_quantization
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
@@ -69,19 +74,26 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, ignore=lambda _: False) -> nn.Module:
+def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, ignore=lambda _: False,
+                quantization: str | None = None) -> nn.Module:
+    check_quantization(quantization, dtype, device)
     cls = get_model_class(config.architecture)
+    # A quantized model is quantized from float32 weights (a GGUF's exact dequantized values), then cast.
+    load_dtype = torch.float32 if quantization else dtype
     with torch.device("meta"):
-        model = cls(config).to(dtype)
+        model = cls(config).to(load_dtype)
     model = model.to_empty(device=device)
     with torch.no_grad():
         load_weights(model, tensors, ignore=ignore)
+        if quantization:
+            quantize_linear_weights(model, quantization)
+            model = model.to(dtype)
     if can_pack(dtype, device):
         pack_linear_weights(model)
     return model.eval().requires_grad_(False)
 
 
-def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+def load_model(model: str, dtype: str = "auto", device: str = "auto", quantization: str | None = None) -> LoadedModel:
     path = resolve_model_path(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -90,16 +102,16 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedM
         config = hf_model_config(path)
         tokenizer = Tokenizer.from_folder(path)
         net = build_model(config, hf_tensors(path), torch_dtype, torch_device,
-                          ignore=partial(hf_ignored, config=config))
+                          ignore=partial(hf_ignored, config=config), quantization=quantization)
     else:
         reader = open_gguf(path)
         config = gguf_model_config(reader)
         tokenizer = Tokenizer.from_gguf(reader)
-        net = build_model(config, gguf_tensors(reader, config), torch_dtype, torch_device)
+        net = build_model(config, gguf_tensors(reader, config), torch_dtype, torch_device, quantization=quantization)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     config = _with_eos(config, eos, tokenizer.bos_token_id)
-    logger.info("loaded %s (%s, %s on %s) in %.1fs", path.name, config.architecture, torch_dtype, torch_device,
-                time.perf_counter() - start)
+    logger.info("loaded %s (%s, %s%s on %s) in %.1fs", path.name, config.architecture, torch_dtype,
+                f", {quantization} weights" if quantization else "", torch_device, time.perf_counter() - start)
     return LoadedModel(net, config, tokenizer, path)
 
 

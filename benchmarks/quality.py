@@ -1,0 +1,85 @@
+"""What each speed mode costs in quality, against the float32 reference: greedy agreement on 16 prompts
+and perplexity on a fixed text (benchmarks/data/quality_text.txt). README "Speed modes" quotes it.
+
+Both are computed one token per step, as decoding computes them: a quantized mode's int kernels serve
+steps of at most a few tokens (layers/quant.py), so that is the path a stream's tokens come from.
+
+- agreement: per prompt, 64 greedy tokens (chat template, ignore EOS); "same tokens" is the share of
+  all tokens before each prompt's first divergence from float32, "identical" counts prompts with all 64.
+- perplexity: exp(mean negative log-likelihood) of the text's tokens after the first.
+
+    .venv/bin/python benchmarks/quality.py --result-file benchmarks/results/quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tinyserve.engine.reference import forward_sequence, greedy_generate
+from tinyserve.loader.model_loader import load_model
+
+TEXT = Path(__file__).parent / "data" / "quality_text.txt"
+MODES = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")]
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
+    "Give three tips for learning a new language.", "What is 17 times 23?",
+    "Write a Python function that reverses a string.", "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet.", "List the planets of the solar system in order.",
+    "How do I make a cup of tea?", "What causes the seasons on Earth?", "Translate 'good morning' into Spanish.",
+    "Describe a cat to someone who has never seen one.", "What is the difference between a list and a tuple?",
+    "Write a short story opening about a lost key.", "What are the benefits of regular exercise?",
+]
+
+
+def perplexity(model, ids: list[int]) -> float:
+    logits = forward_sequence(model, ids, step_tokens=1)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean")
+    return math.exp(nll.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--result-file", type=Path, default=None)
+    args = parser.parse_args()
+    records, reference = [], None
+    print("| mode | identical prompts | same tokens before divergence | perplexity | vs float32 |")
+    print("|---|---:|---:|---:|---:|")
+    for dtype, quantization in MODES:
+        start = time.perf_counter()
+        loaded = load_model(args.model, dtype, "cpu", quantization)
+        tokenizer = loaded.tokenizer
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+                   for p in PROMPTS]
+        outputs = [greedy_generate(loaded.model, ids, args.max_tokens) for ids in prompts]
+        ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()))
+        if reference is None:
+            reference = {"outputs": outputs, "perplexity": ppl}
+        prefixes = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref))
+                    for ref, out in zip(reference["outputs"], outputs)]
+        record = {
+            "dtype": dtype, "quantization": quantization,
+            "identical_prompts": sum(p == args.max_tokens for p in prefixes), "num_prompts": len(PROMPTS),
+            "same_tokens": sum(prefixes) / (len(PROMPTS) * args.max_tokens),
+            "perplexity": round(ppl, 3), "perplexity_ratio": round(ppl / reference["perplexity"], 4),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        records.append(record)
+        name = quantization or dtype
+        print(f"| {name} | {record['identical_prompts']}/{len(PROMPTS)} | {record['same_tokens']:.1%} | "
+              f"{ppl:.3f} | {record['perplexity_ratio']:.3f}x |", flush=True)
+        del loaded
+    if args.result_file:
+        args.result_file.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
+                                                "text": TEXT.name, "modes": records}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
