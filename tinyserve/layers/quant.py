@@ -80,6 +80,8 @@ class Int4Weight:
 
 
 def quantized_matmul(x: torch.Tensor, quantized: Int8Weight | Int4Weight) -> torch.Tensor:
+    if x.dim() == 2 and x.dtype == torch.bfloat16:  # the model's case: flattened tokens
+        return quantized.matmul(x)
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     return quantized.matmul(flat).to(x.dtype).reshape(*x.shape[:-1], -1)
 

@@ -30,26 +30,28 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position. The cos/sin table is a plain attribute, not a buffer, so that a model
-    built on the meta device and materialized with to_empty() keeps it; it follows q to its device."""
+    """The rotation for a step's positions, computed once per step and applied in every layer. The
+    cos/sin table is a plain attribute, not a buffer, so that a model built on the meta device and
+    materialized with to_empty() keeps it; it follows positions to their device."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None):
         super().__init__()
-        # Built on the host even inside a `torch.device("meta")` block, then moved once to q's device.
+        # Built on the host even inside a `torch.device("meta")` block, then moved once to the device.
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(head_dim, base, scaling)
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, head_dim/2]
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        # Full width, with rotate-half's sign folded into sin: x * cos + roll(x, half) * sin is
+        # (x1 cos - x2 sin, x2 cos + x1 sin) in 4 ops instead of 8, bit for bit the same.
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]"""
-        if self.cos.device != q.device:
-            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim/2]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in dtype, for apply_rotary."""
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] rotated by position (HF's "rotate half" layout)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

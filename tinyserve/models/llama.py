@@ -15,7 +15,7 @@ from tinyserve.layers.activation import SiluAndMul
 from tinyserve.layers.attention import Attention, AttentionMetadata
 from tinyserve.layers.linear import Linear, MergedLinear, TiedLMHead
 from tinyserve.layers.norm import RMSNorm
-from tinyserve.layers.rotary import RotaryEmbedding
+from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -26,13 +26,11 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
@@ -41,7 +39,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn(q, k, v, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -66,8 +64,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -76,6 +74,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)  # shared by all layers: one per step
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
@@ -100,8 +100,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden_size]"""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
