@@ -81,6 +81,9 @@ class _FakeTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return {1: "Hel", 2: "lo", 3: " wörld"}[ids[0]]
 
+    def token_bytes(self, token_id):
+        return self.decode([token_id]).encode()
+
 
 def test_logprob_formats():
     texts = TokenTexts(_FakeTokenizer())

@@ -247,15 +247,18 @@ def spm_token_type(sp, i: int) -> int:
     return 4 if user_defined else next((kind for check, kind in checks if check(i)), 1)
 
 
-def test_sentencepiece_gguf_matches_sentencepiece(sentencepiece_model, tmp_path):
-    sp = sentencepiece_model
+def _sentencepiece_gguf(sp, folder: Path) -> Path:
     ids = range(sp.get_piece_size())
-    path = write_gguf(
-        tmp_path / "spm.gguf", tokenizer_model="llama", token_list=[sp.id_to_piece(i) for i in ids],
+    return write_gguf(
+        folder / "spm.gguf", tokenizer_model="llama", token_list=[sp.id_to_piece(i) for i in ids],
         token_scores=[sp.get_score(i) for i in ids], token_types=[spm_token_type(sp, i) for i in ids],
         bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(), unk_token_id=sp.unk_id(),
     )  # fmt: skip
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+
+
+def test_sentencepiece_gguf_matches_sentencepiece(sentencepiece_model, tmp_path):
+    sp = sentencepiece_model
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(_sentencepiece_gguf(sp, tmp_path)))
     texts = [t for t in corpus() if "<" not in t] + ["hello world", " python  torch ", "the quick brown fox"]
     for text in texts:
         expected = sp.encode(text)
@@ -312,3 +315,21 @@ def test_from_folder_add_bos_flag_and_named_templates(ours, tmp_path):
     assert folder.encode("hi") == [1, *ours.encode("hi")]
     assert folder.encode("hi", add_special_tokens=False) == ours.encode("hi")
     assert folder.apply_chat_template([]) == "<|im_start|>hi"
+
+
+def test_token_bytes_join_into_the_exact_text(ours):
+    """A token that holds part of a character decodes to U+FFFD but keeps its own bytes (logprobs' bytes)."""
+    partial = 0
+    for text in [t for t in corpus() if "<|" not in t and "<repo_name>" not in t] + ["🙂 你好 naïve — ok"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+        partial += sum("\ufffd" in ours.decode([i]) for i in ids)
+    assert partial > 0  # the partial-character path was exercised
+
+
+def test_token_bytes_of_sentencepiece_byte_tokens(sentencepiece_model, tmp_path):
+    sp = sentencepiece_model
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(_sentencepiece_gguf(sp, tmp_path)))
+    byte_ids = [sp.piece_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
+    assert [ours.token_bytes(i) for i in byte_ids] == [bytes([b]) for b in "🙂".encode()]
+    assert ours.token_bytes(sp.piece_to_id("▁the")).strip() == b"the"

@@ -69,6 +69,9 @@ def _byte_to_char() -> dict[int, str]:
     return mapping
 
 
+_CHAR_TO_BYTE = {char: byte for byte, char in _byte_to_char().items()}
+
+
 def _gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -291,6 +294,20 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for. Its decoded text is enough unless the token holds part of
+        a multi-byte character (the text is then U+FFFD): those bytes come from the vocab spelling, in
+        GPT-2's byte alphabet or SentencePiece's <0xNN> byte tokens."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        spelling = self.id_to_token(token_id) or ""
+        if len(spelling) == 6 and spelling.startswith("<0x") and spelling.endswith(">"):
+            return bytes([int(spelling[3:5], 16)])
+        if spelling and all(char in _CHAR_TO_BYTE for char in spelling):
+            return bytes(_CHAR_TO_BYTE[char] for char in spelling)
+        return text.encode("utf-8")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. "<|im_start|>") always become their ids; add_special_tokens

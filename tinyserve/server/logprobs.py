@@ -7,19 +7,26 @@ from tinyserve.types import TokenLogprob
 
 
 class TokenTexts:
-    """Each token's text on its own (as OpenAI reports it) and its UTF-8 bytes, memoised per token id.
-    NOTE: a token holding part of a multi-byte character decodes to U+FFFD; its bytes are those of that
-    replacement character, not the raw partial bytes."""
+    """Each token's text on its own (as OpenAI reports it) and its raw bytes, memoised per token id. A
+    token holding part of a multi-byte character has text U+FFFD but its own partial bytes, so a client
+    can join the bytes of consecutive tokens into the exact UTF-8 text."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = list(self.tokenizer.token_bytes(token_id))
+        return raw
 
 
 def _finite(logprob: float) -> float:
@@ -45,8 +52,7 @@ def completion_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], text_of
 def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> dict:
     """{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}"""
     def entry(token_id: int, logprob: float) -> dict:
-        token = texts.text(token_id)
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+        return {"token": texts.text(token_id), "logprob": _finite(logprob), "bytes": texts.bytes(token_id)}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in logprobs]}
