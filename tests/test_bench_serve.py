@@ -132,3 +132,16 @@ def test_cli_sweep_two_servers_side_by_side(tmp_path, capsys):
                                                                          ("fast", 2)]
     assert all(r["out tok/s"]["num_runs"] == 2 for r in record["rows"]) and len(record["runs"]) == 8
     assert all(run["failed"] == 0 and run["total_output_tokens"] == 12 for run in record["runs"])
+
+
+def test_sweep_repeats_draw_fresh_prompts_the_same_for_every_server(tmp_path):
+    """A repeat must not find its prompts in a prefix cache warmed by the previous one."""
+    fakes = [FakeServerThread(FakeServerConfig()), FakeServerThread(FakeServerConfig())]
+    with fakes[0] as a, fakes[1] as b:
+        argv = ["bench", "sweep", "--base-url", f"a={a}", "--base-url", f"b={b}", "--concurrency", "1",
+                "--num-runs", "2", "--num-prompts", "3", "--input-len", "8", "--output-len", "2", "--num-warmups", "0",
+                "--no-progress", "--result-file", str(tmp_path / "sweep.json")]
+        assert main(argv) == 0
+    prompts = [[str(body["prompt"]) for body in fake.server.stats.bodies] for fake in fakes]
+    assert prompts[0] == prompts[1] and len(prompts[0]) == 6  # both servers: the same prompts, run by run
+    assert not set(prompts[0][:3]) & set(prompts[0][3:])  # run 2 drew none of run 1's prompts

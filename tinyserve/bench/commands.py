@@ -9,6 +9,7 @@ import functools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tinyserve.bench import BenchError
@@ -112,8 +113,12 @@ def bench_sweep(config: SweepConfig, result_file: Path | None = None, plot: str 
         from tinyserve.bench.report.plot import pyplot
 
         pyplot()
-    requests, tokenizer = _workload(config.serve)
-    points = run_sweep(config, requests, tokenizer)
+    from tinyserve.bench.datasets import build_requests
+
+    first, tokenizer = _workload(config.serve)
+    dataset = config.serve.dataset
+    points = run_sweep(config, lambda run: first if run == 0 else build_requests(
+        replace(dataset, seed=dataset.seed + run), tokenizer), tokenizer)
     rows = sweep_rows(sweep_metrics(points))
     print(sweep_table(rows))
     record = sweep_record(config, points)
