@@ -145,3 +145,14 @@ def test_sweep_repeats_draw_fresh_prompts_the_same_for_every_server(tmp_path):
     prompts = [[str(body["prompt"]) for body in fake.server.stats.bodies] for fake in fakes]
     assert prompts[0] == prompts[1] and len(prompts[0]) == 6  # both servers: the same prompts, run by run
     assert not set(prompts[0][:3]) & set(prompts[0][3:])  # run 2 drew none of run 1's prompts
+
+
+def test_warm_up_prompt_shares_no_prefix_with_the_timed_ones(tmp_path):
+    fake = FakeServerThread(FakeServerConfig())
+    with fake as url:
+        argv = ["bench", "serve", "--base-url", url, "--num-prompts", "3", "--input-len", "8", "--output-len", "2",
+                "--num-warmups", "1", "--no-progress", "--result-file", str(tmp_path / "run.json")]
+        assert main(argv) == 0
+    warm_up, *timed = [str(body["prompt"]) for body in fake.server.stats.bodies]
+    assert warm_up.startswith("Warm-up. ") and len(timed) == 3
+    assert warm_up.removeprefix("Warm-up. ") in timed  # the same shape of request, another first token
