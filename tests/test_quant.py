@@ -34,8 +34,7 @@ needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")
 def test_int_kernel_computes_the_dequantized_product(fmt, rows):
     torch.manual_seed(rows)
     weight = torch.randn(96, 64) * 0.05
-    quantized = fmt(weight)
-    dequantized = quantized.dequantize()
+    quantized, dequantized = fmt.quantize(weight)
     # quantization error is bounded by half a step: 1/254 of the row's max (int8), 1/30 of the group's range (int4)
     step = weight.abs().amax() / 127 if fmt is Int8Weight else (weight.amax() - weight.amin()) / 15
     assert (dequantized - weight).abs().max() <= step / 2 + 1e-6

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from tinyserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.config import DEFAULT_MODEL, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"alias ({DEFAULT_MODEL}), path to a .gguf file, or a Hugging Face checkpoint folder")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weight-only quantization on CPU (bfloat16 activations): faster single-stream decode, "
                         "slower at large batches; see README 'Speed modes'")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",

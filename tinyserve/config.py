@@ -8,6 +8,7 @@ from typing import Literal
 
 DEFAULT_MODEL = "smollm2-135m"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+QUANTIZATIONS = ("int8", "int4")  # weight-only formats (layers/quant.py)
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4 (or unset); got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, s
 
 async def _warm_up(client: StreamingClient, requests: list[SampleRequest], num_warmups: int) -> None:
     # A different first token: the warm-up must not leave the timed prompts in the server's prefix cache.
-    warmups = [replace(requests[i % len(requests)], prompt="Warm-up. " + requests[i % len(requests)].prompt)
-               for i in range(num_warmups)]
+    samples = [requests[i % len(requests)] for i in range(num_warmups)]
+    warmups = [replace(r, prompt="Warm-up. " + r.prompt) for r in samples]
     for result in await asyncio.gather(*(client.send(r) for r in warmups)):
         if not result.success:
             raise BenchError(f"warm-up request to {client.url} failed ({result.error}): {result.error_detail[:300]}")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.layers.quant import Int4Weight, Int8Weight, quantized_matmul
+from tinyserve.layers.quant import Int4Weight, Int8Weight
 
 # Tokens per step the blocked layout is tuned for; measured flat from 1 to 300 tokens per step.
 PACK_BATCH_HINT = 64
@@ -24,8 +24,8 @@ PACK_BATCH_HINT = 64
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
            quantized: Int8Weight | Int4Weight | None = None) -> torch.Tensor:
-    if quantized is not None and x.numel() <= quantized.max_tokens * x.shape[-1]:
-        out = quantized_matmul(x, quantized)
+    if quantized is not None and x.shape[0] <= quantized.max_tokens:
+        out = quantized.matmul(x)
         return out if bias is None else out + bias
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -101,7 +101,7 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     fmt = Int8Weight if quantization == "int8" else Int4Weight
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantized is None and name.rsplit(".", 1)[-1] != "lm_head":
-            module.quantized = fmt(module.weight.detach())
-            module.weight.data.copy_(module.quantized.dequantize())
+            module.quantized, dequantized = fmt.quantize(module.weight.detach())
+            module.weight.data.copy_(dequantized)
             count += 1
     return count

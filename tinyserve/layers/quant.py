@@ -6,9 +6,10 @@ bfloat16, 9.3 ms in int8 and 4.6 ms in int4 (docs/PERFORMANCE.md). With dozens o
 same int kernels are 2-3x *slower* than bfloat16 on oneDNN, because they are compute-bound there.
 
 So a quantized layer keeps two layouts of one set of weights: the int kernel's, used for steps of at
-most `max_tokens` tokens, and the dequantized values in bfloat16 (packed for oneDNN by the caller),
-used for larger steps. Both hold the same quantized values, so the model is the quantized model whatever
-the step size; only the kernel (and its rounding) changes, as in any GEMM library.
+most `max_tokens` tokens (activations [tokens, in] in bfloat16), and the dequantized values in bfloat16
+(packed for oneDNN by the caller), used for larger steps. Both hold the same quantized values, so the
+model is the quantized model whatever the step size; only the kernel (and its rounding) changes, as in
+any GEMM library.
 
 int4 is asymmetric with a scale and a minimum per group of 32 inputs: the layout of GGUF's Q4_1, so a
 Q4_1 checkpoint keeps its own 4-bit codes (tests/test_quant.py checks them against the file's blocks).
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("int8", "int4")
+from tinyserve.config import QUANTIZATIONS
+
 INT4_GROUP = 32
 _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero row or group from dividing by zero
 
@@ -29,16 +31,19 @@ class Int8Weight:
 
     max_tokens = 2  # measured: int8 beats packed bfloat16 only up to ~2 tokens per step
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.codes, self.scales = codes, scales  # [out, in] int8, [out] bfloat16
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
+        """The quantized weight and its dequantized values (float32)."""
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127).clamp(min=_TINY).to(torch.bfloat16)  # the kernel's dtype
-        self.codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.scales = scales
-
-    def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.float()[:, None]
+        codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(codes, scales), codes.float() * scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, in] bfloat16 -> [tokens, out]"""
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
 
@@ -60,30 +65,25 @@ class Int4Weight:
 
     max_tokens = 8  # measured: int4 beats packed bfloat16 up to ~8-10 tokens per step
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor):
+        self.packed, self.scales_and_zeros = packed, scales_and_zeros  # the kernel's layouts
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
+        """The quantized weight and its dequantized values (float32)."""
         codes, scale, minimum = int4_codes(weight)
         # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; both in bfloat16
         # (the kernel's only dtype for them), laid out [groups, out, 2].
-        zero = minimum + 8 * scale
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        self._codes = codes  # kept only until dequantize() (4 bytes per weight)
-
-    def dequantize(self) -> torch.Tensor:
-        codes, self._codes = self._codes, None
-        scale, zero = self.scales_and_zeros.float().unbind(-1)  # [groups, out] each
+        scales_and_zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1).to(torch.bfloat16)
+        scale, zero = scales_and_zeros.float().unbind(-1)  # rounded as the kernel reads them
         grouped = codes.reshape(codes.shape[0], -1, INT4_GROUP).float()
-        return ((grouped - 8) * scale.t()[..., None] + zero.t()[..., None]).reshape(codes.shape)
+        dequantized = ((grouped - 8) * scale.t()[..., None] + zero.t()[..., None]).reshape(codes.shape)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        return cls(packed, scales_and_zeros.contiguous()), dequantized
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, in] bfloat16 -> [tokens, out]"""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
-
-
-def quantized_matmul(x: torch.Tensor, quantized: Int8Weight | Int4Weight) -> torch.Tensor:
-    if x.dim() == 2 and x.dtype == torch.bfloat16:  # the model's case: flattened tokens
-        return quantized.matmul(x)
-    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    return quantized.matmul(flat).to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:
