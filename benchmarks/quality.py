@@ -2,7 +2,8 @@
 and perplexity on a fixed text (benchmarks/data/quality_text.txt). README "Speed modes" quotes it.
 
 Both are computed one token per step, as decoding computes them: a quantized mode's int kernels serve
-steps of at most a few tokens (layers/quant.py), so that is the path a stream's tokens come from.
+steps of at most a few tokens (layers/quant.py), so that is the path a stream's tokens come from; decode
+attention runs in the engine's C++ kernel (layers/cpu_kernels.py) in every mode but the reference.
 
 - agreement: per prompt, 64 greedy tokens (chat template, ignore EOS); "same tokens" is the share of
   all tokens before each prompt's first divergence from float32, "identical" counts prompts with all 64.
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tinyserve.engine.reference import forward_sequence, greedy_generate
+from tinyserve.layers.cpu_kernels import decode_kernel_applies
 from tinyserve.loader.model_loader import load_model
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"
@@ -37,8 +39,8 @@ PROMPTS = [
 ]
 
 
-def perplexity(model, ids: list[int]) -> float:
-    logits = forward_sequence(model, ids, step_tokens=1)
+def perplexity(model, ids: list[int], decode_kernel: bool) -> float:
+    logits = forward_sequence(model, ids, step_tokens=1, decode_kernel=decode_kernel)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item())
 
@@ -58,8 +60,12 @@ def main() -> None:
         tokenizer = loaded.tokenizer
         prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                    for p in PROMPTS]
-        outputs = [greedy_generate(loaded.model, ids, args.max_tokens) for ids in prompts]
-        ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()))
+        # The speed modes decode as the engine does (our C++ decode attention on CPU); the float32
+        # reference keeps the plain torch ops.
+        param = next(loaded.model.parameters())
+        kernel = dtype != "float32" and decode_kernel_applies(param.device, param.dtype, loaded.config.head_dim)
+        outputs = [greedy_generate(loaded.model, ids, args.max_tokens, decode_kernel=kernel) for ids in prompts]
+        ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()), kernel)
         if reference is None:
             reference = {"outputs": outputs, "perplexity": ppl}
         prefixes = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref))

@@ -25,7 +25,7 @@ LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::_we
               "aten::_weight_int4pack_mm_for_cpu"}
 ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_", "aten::_embedding_bag",
                  "aten::_embedding_bag_forward_only",
-                 "aten::_scaled_dot_product_flash_attention_for_cpu"}
+                 "aten::_scaled_dot_product_flash_attention_for_cpu", "tinyserve::paged_decode_attention"}
 
 
 def decode_breakdown(batch: int, prompt_len: int, dtype: str, model: str,

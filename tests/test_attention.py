@@ -4,6 +4,7 @@ reference and against dense causal attention, with scattered block tables and mi
 import pytest
 import torch
 
+from tinyserve.layers import cpu_kernels
 from tinyserve.layers.attention import (
     AttentionMetadata, KVCache, causal_mask, decode_group_bounds, paged_attention, reference_paged_attention,
     write_kv,
@@ -22,7 +23,7 @@ def _dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 
-def _build(seqs, dtype, seed=0):
+def _build(seqs, dtype, seed=0, decode_kernel=False):
     """seqs: list of (cached_len, new_len). Blocks handed out in a shuffled order (scattered tables)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // BLOCK) for c, n in seqs) + 3
@@ -45,7 +46,7 @@ def _build(seqs, dtype, seed=0):
         q_parts.append(q[cached:]); k_new.append(k[cached:]); v_new.append(v[cached:])
     meta = AttentionMetadata.build(
         torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], BLOCK,
-        KV_HEADS, num_blocks, torch.device("cpu"),
+        KV_HEADS, num_blocks, torch.device("cpu"), decode_kernel,
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.slot_mapping)
@@ -62,9 +63,17 @@ MIXES = [
 ]
 
 
+def test_decode_kernel_builds_on_this_cpu():
+    assert cpu_kernels.load() is not None  # g++ and ninja come with `make setup`
+    assert cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
+    assert not cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
+    assert not cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
+
+
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("seqs", MIXES)
-def test_paged_equals_reference_and_dense(seqs):
-    cache, meta, q, k, v, full = _build(seqs, torch.float32)
+def test_paged_equals_reference_and_dense(seqs, decode_kernel):
+    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel)
     scale = HEAD_DIM**-0.5
     ours = paged_attention(q, cache, meta, scale, k, v)
     ref = reference_paged_attention(q, cache, meta, scale)
@@ -76,9 +85,10 @@ def test_paged_equals_reference_and_dense(seqs):
         start += new
 
 
-def test_bfloat16_close_to_float32_reference():
-    seqs = [(9, 1), (2, 1), (0, 11), (6, 7)]
-    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_bfloat16_close_to_float32_reference(decode_kernel):
+    seqs = [(9, 1), (2, 1), (40, 1), (0, 11), (6, 7)]
+    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=3, decode_kernel=decode_kernel)
     scale = HEAD_DIM**-0.5
     ours = paged_attention(q, cache, meta, scale, k, v).float()
     ref = reference_paged_attention(q, cache, meta, scale).float()

@@ -2,7 +2,7 @@
 
 The batch has no padding between sequences: each sequence contributes exactly the tokens the scheduler
 gave it. Sequences with one new token (decodes) go first, longest context first, so that attention can
-treat them in a few batched calls over groups of similar length.
+treat them together (layers/attention.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
 from tinyserve.engine.sampler import Sampler
 from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.layers.cpu_kernels import decode_kernel_applies
 from tinyserve.types import Request, TokenLogprob
 
 
@@ -50,6 +51,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
         bind_kv_cache(model, self.kv_cache)
         self.sampler = Sampler(seed)
+        # Built (or loaded from its cache) here, at start-up, not in the first timed step.
+        self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]) -> StepResult:
@@ -90,7 +93,7 @@ class ModelRunner:
                 sampled.append(request)
         device = self.device
         meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, bs, self.num_kv_heads,
-                                       self.num_blocks, device)
+                                       self.num_blocks, device, self.decode_kernel)
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

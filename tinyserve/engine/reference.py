@@ -13,12 +13,12 @@ from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
 
 
 @contextlib.contextmanager
-def _own_kv_cache(model: nn.Module, max_len: int, block_size: int):
+def _own_kv_cache(model: nn.Module, max_len: int, block_size: int, decode_kernel: bool = False):
     """Bind a private pool for the duration, then give the model back the pool it had (if any): the
     reference may run on a model an engine is using."""
     previous = [layer.kv_cache for layer in model.attention_layers]
     try:
-        yield _ReferenceRunner(model, max_len, block_size)
+        yield _ReferenceRunner(model, max_len, block_size, decode_kernel)
     finally:
         for layer, cache in zip(model.attention_layers, previous):
             layer.kv_cache = cache
@@ -26,18 +26,20 @@ def _own_kv_cache(model: nn.Module, max_len: int, block_size: int):
 
 @torch.inference_mode()
 def forward_sequence(model: nn.Module, token_ids: list[int], block_size: int = 16,
-                     step_tokens: int | None = None) -> torch.Tensor:
+                     step_tokens: int | None = None, decode_kernel: bool = False) -> torch.Tensor:
     """Logits at every position of one sequence: [len(token_ids), vocab] float32. In one prefill, or in
-    steps of `step_tokens` tokens (1: as decoding computes them, which may take other kernels)."""
+    steps of `step_tokens` tokens (1: as decoding computes them, which may take other kernels: with
+    `decode_kernel`, decode attention runs in the engine's C++ kernel, else in torch ops)."""
     step = step_tokens or max(len(token_ids), 1)
-    with _own_kv_cache(model, len(token_ids), block_size) as runner:
+    with _own_kv_cache(model, len(token_ids), block_size, decode_kernel) as runner:
         return torch.cat([runner.run(token_ids[i:i + step], i).float() for i in range(0, len(token_ids), step)])
 
 
 @torch.inference_mode()
 def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
-                    eos_token_ids: frozenset[int] = frozenset(), block_size: int = 16) -> list[int]:
-    with _own_kv_cache(model, len(prompt_ids) + max_new_tokens, block_size) as runner:
+                    eos_token_ids: frozenset[int] = frozenset(), block_size: int = 16,
+                    decode_kernel: bool = False) -> list[int]:
+    with _own_kv_cache(model, len(prompt_ids) + max_new_tokens, block_size, decode_kernel) as runner:
         logits = runner.run(prompt_ids, 0)
         output: list[int] = []
         while True:
@@ -49,9 +51,10 @@ def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
 
 
 class _ReferenceRunner:
-    def __init__(self, model: nn.Module, max_len: int, block_size: int):
+    def __init__(self, model: nn.Module, max_len: int, block_size: int, decode_kernel: bool):
         param = next(model.parameters())
         self.model, self.block_size, self.device = model, block_size, param.device
+        self.decode_kernel = decode_kernel
         num_blocks = -(-max_len // block_size)
         bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, param.dtype, param.device))
         self.block_table = list(range(num_blocks))
@@ -62,6 +65,7 @@ class _ReferenceRunner:
             slot_mapping=list(range(start, start + n)),  # contiguous table: slot == position
             block_tables=[self.block_table], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
             num_kv_heads=self.model.config.num_key_value_heads, num_blocks=len(self.block_table), device=self.device,
+            decode_kernel=self.decode_kernel,
         )
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)

@@ -2,8 +2,9 @@
 
 Tokens of many sequences arrive flattened in one step (no padding between sequences). The model runner
 orders them decodes first (one query token each, longest context first), then prefill chunks (many
-query tokens each): decodes are attended in a few batched calls over groups of similar length, prefill
-chunks one sequence at a time, each with its causal mask offset by the tokens already in the cache.
+query tokens each). Decodes are attended in one call of our C++ kernel on CPU (cpu_kernels.py), or
+elsewhere in a few batched torch calls over groups of similar length; prefill chunks one sequence at a
+time through SDPA, each with its causal mask offset by the tokens already in the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tinyserve.layers import cpu_kernels
 
 
 @dataclass
@@ -27,13 +30,15 @@ class AttentionMetadata:
     query_lens_host: list[int]  # new tokens of each sequence this step; the first num_decodes are 1
     num_decodes: int  # leading sequences with exactly one query token
     block_size: int
-    # For the batched decode path, computed once per step, not per layer (empty when num_decodes == 0)
+    decode_kernel: bool = False  # decodes go to the C++ kernel (cpu_kernels.decode_kernel_applies)
+    # For the torch-op decode path, computed once per step, not per layer (empty when num_decodes == 0
+    # or with the kernel)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
 
     @classmethod
     def build(cls, slot_mapping: list[int], block_tables: list[list[int]], seq_lens: list[int],
               query_lens: list[int], block_size: int, num_kv_heads: int, num_blocks: int,
-              device: torch.device) -> AttentionMetadata:
+              device: torch.device, decode_kernel: bool = False) -> AttentionMetadata:
         """From host lists, sequences ordered decodes first. One host-to-device copy per tensor."""
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64, device=device)
@@ -43,7 +48,10 @@ class AttentionMetadata:
             block_tables=tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
+            decode_kernel=decode_kernel,
         )
+        if decode_kernel:
+            return meta
         for start, end in decode_group_bounds(seq_lens[:num_decodes]):
             rows, bias = decode_gather_plan(tables[start:end], seq_lens[start:end], num_kv_heads, num_blocks,
                                             block_size)
@@ -173,7 +181,13 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, sc
     """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. The step's K/V are already in
     the cache; new_k/new_v ([num_tokens, kv_heads, head_dim]) spare a gather for a prefill with no
     cached prefix."""
+    nd = meta.num_decodes
+    if meta.decode_kernel and nd == len(meta.query_lens_host):  # a decode-only step: no copy into out
+        return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
+    if meta.decode_kernel and nd:
+        out[:nd] = cpu_kernels.paged_decode_attention(q[:nd], cache.key, cache.value, meta.block_tables[:nd],
+                                                      meta.seq_lens[:nd], scale)
     for plan in meta.decode_groups:
         out[plan.start : plan.end] = _decode_attention(q[plan.start : plan.end], cache, plan, scale)
     start = meta.num_decodes

@@ -1,0 +1,57 @@
+"""Our C++ CPU kernels (csrc/), compiled on first use by torch's extension builder and cached per machine.
+
+Only decode attention is ours in C++ (csrc/paged_decode_attention.cpp): torch has no paged attention
+for the CPU, and doing it with torch ops copies every sequence's K once per layer (docs/PERFORMANCE.md).
+The first build takes ~25 s (g++ and ninja, both installed by `make setup`); later processes load the
+cached library from ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) in well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the kernel is compiled for
+DECODE_DTYPES = (torch.float32, torch.bfloat16)
+# -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
+# dot products and sums into vector lanes and call the vectorized expf; inputs are finite scores.
+# (Compiler flags do not reach the link step, so the process's float mode is not changed.)
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernels, or None (logged once) if they cannot be built here."""
+    from torch.utils.cpp_extension import load as build
+
+    try:
+        return build(name="tinyserve_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
+        # no compiler, no ninja, a failed build or load: the torch-op path still works
+        logger.warning("C++ decode attention unavailable, using torch ops (slower): %s", error)
+        return None
+
+
+def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode attention for this model runs in our kernel: CPU, a compiled dtype and head size,
+    and a successful build."""
+    return (device.type == "cpu" and dtype in DECODE_DTYPES and head_dim in DECODE_HEAD_DIMS
+            and load() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [num_seqs, heads, head_dim] (one token each); key/value [kv_heads, num_blocks, block_size,
+    head_dim]; block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim]."""
+    # Named for torch.profiler (benchmarks/step_breakdown.py counts it as attention): a pybind call is
+    # otherwise invisible to it.
+    with torch.profiler.record_function("tinyserve::paged_decode_attention"):
+        return load().paged_decode_attention(q.contiguous(), key, value, block_tables, seq_lens, scale)

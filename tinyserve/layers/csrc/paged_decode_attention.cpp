@@ -1,0 +1,149 @@
+// Decode attention over the paged KV pool on CPU: one query token per sequence, read K and V in place.
+//
+// Why a kernel of our own: with torch ops, a decode step gathers every sequence's K blocks into a copy
+// (index_select), multiplies it in small batched matmuls of 3 query rows, adds a padding mask, softmaxes
+// and sums V: K crosses memory three times and every op is paid once per layer. Here each
+// (sequence, kv head) job walks its block table once: the group's query heads are dotted with each K row
+// as it is read, softmaxed in float32, and V rows are accumulated as they are read. No copy, no padding,
+// one call per layer.
+//
+// Layout (tinyserve/layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; query head
+// h reads kv head h / (heads / kv_heads). Scores, softmax and sums are float32 whatever the pool's dtype.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {  // bfloat16 is float32's top half: a shift the compiler vectorizes
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Shape {
+  int64_t num_seqs, num_heads, num_kv_heads, num_blocks, block_size, table_stride;
+  float scale;
+};
+
+// D is a template parameter so that the per-row loops have a fixed trip count and vectorize.
+template <typename T, int D>
+void decode_attention(const T* q, const T* key, const T* value, const int64_t* tables, const int64_t* seq_lens,
+                      T* out, const Shape& s) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t num_jobs = s.num_seqs * s.num_kv_heads;
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_jobs);
+  // Sequences come longest first; jobs are dealt round-robin so that each thread gets long and short ones
+  // (parallel_for's contiguous ranges would give one thread all the long ones).
+  at::parallel_for(0, num_threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+    std::vector<float> scores, query(group * D), acc(group * D), inv_sum(group);
+    for (int64_t thread = first_thread; thread < last_thread; ++thread) {
+      for (int64_t job = thread; job < num_jobs; job += num_threads) {
+        const int64_t seq = job / s.num_kv_heads, kv_head = job % s.num_kv_heads, len = seq_lens[seq];
+        const int64_t* table = tables + seq * s.table_stride;
+        const int64_t pool_rows = kv_head * s.num_blocks;  // first block of this kv head in the pool
+        auto row = [&](const T* pool, int64_t t) {
+          return pool + ((pool_rows + table[t / s.block_size]) * s.block_size + t % s.block_size) * D;
+        };
+        for (int64_t g = 0; g < group; ++g)
+          for (int d = 0; d < D; ++d)
+            query[g * D + d] = to_float(q[(seq * s.num_heads + kv_head * group + g) * D + d]) * s.scale;
+
+        scores.resize(group * len);  // [group, len]
+        for (int64_t t = 0; t < len; ++t) {
+          const T* k = row(key, t);
+          float k32[D];
+          for (int d = 0; d < D; ++d) k32[d] = to_float(k[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            float dot = 0.f;
+            for (int d = 0; d < D; ++d) dot += query[g * D + d] * k32[d];
+            scores[g * len + t] = dot;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, 1 / denominator kept
+          float* sc = scores.data() + g * len;
+          float max = sc[0];
+          for (int64_t t = 1; t < len; ++t) max = std::max(max, sc[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < len; ++t) {
+            sc[t] = std::exp(sc[t] - max);
+            sum += sc[t];
+          }
+          inv_sum[g] = 1.f / sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const T* v = row(value, t);
+          float v32[D];
+          for (int d = 0; d < D; ++d) v32[d] = to_float(v[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float w = scores[g * len + t];
+            for (int d = 0; d < D; ++d) acc[g * D + d] += w * v32[d];
+          }
+        }
+        for (int64_t g = 0; g < group; ++g)
+          for (int d = 0; d < D; ++d)
+            out[(seq * s.num_heads + kv_head * group + g) * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                       const torch::Tensor& tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+                       const Shape& s) {
+  auto run = [&](auto kernel) {
+    kernel(q.data_ptr<T>(), key.data_ptr<T>(), value.data_ptr<T>(), tables.data_ptr<int64_t>(),
+           seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), s);
+  };
+  switch (q.size(2)) {
+    case 16: run(decode_attention<T, 16>); break;
+    case 32: run(decode_attention<T, 32>); break;
+    case 64: run(decode_attention<T, 64>); break;
+    case 128: run(decode_attention<T, 128>); break;
+    case 256: run(decode_attention<T, 256>); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: head_dim ", q.size(2), " is not compiled in");
+  }
+}
+
+}  // namespace
+
+// q [num_seqs, heads, head_dim]; key/value [kv_heads, num_blocks, block_size, head_dim];
+// block_tables [num_seqs, >= blocks used] int64; seq_lens [num_seqs] int64 (>= 1, this token included).
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && key.sizes() == value.sizes(), "paged_decode_attention: bad ranks");
+  TORCH_CHECK(q.is_contiguous() && key.is_contiguous() && value.is_contiguous() && seq_lens.is_contiguous() &&
+                  block_tables.stride(1) == 1,
+              "paged_decode_attention: inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "paged_decode_attention: q, key and value must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: block_tables and seq_lens must be int64");
+  TORCH_CHECK(q.size(1) % key.size(0) == 0 && q.size(2) == key.size(3) && block_tables.size(0) == q.size(0) &&
+                  seq_lens.size(0) == q.size(0),
+              "paged_decode_attention: shapes do not match");
+  auto out = torch::empty_like(q);
+  const Shape s{q.size(0), q.size(1), key.size(0), key.size(1), key.size(2), block_tables.stride(0),
+                static_cast<float>(scale)};
+  if (q.scalar_type() == at::kBFloat16)
+    dispatch_head_dim<c10::BFloat16>(q, key, value, block_tables, seq_lens, out, s);
+  else if (q.scalar_type() == at::kFloat)
+    dispatch_head_dim<float>(q, key, value, block_tables, seq_lens, out, s);
+  else
+    TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not supported");
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool (CPU)");
+}
