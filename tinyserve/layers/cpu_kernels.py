@@ -32,6 +32,7 @@ def load() -> ModuleType | None:
     """The compiled kernels, or None (logged once) if they cannot be built here."""
     from torch.utils.cpp_extension import load as build
 
+    logger.info("loading the C++ decode attention kernel (compiled on a machine's first run, ~25 s)")
     try:
         return build(name="tinyserve_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:

@@ -49,16 +49,26 @@ void decode_attention(const T* q, const T* key, const T* value, const int64_t* t
         const int64_t seq = job / s.num_kv_heads, kv_head = job % s.num_kv_heads, len = seq_lens[seq];
         const int64_t* table = tables + seq * s.table_stride;
         const int64_t pool_rows = kv_head * s.num_blocks;  // first block of this kv head in the pool
-        auto row = [&](const T* pool, int64_t t) {
-          return pool + ((pool_rows + table[t / s.block_size]) * s.block_size + t % s.block_size) * D;
+        // Walk block by block, token by token within a block: no division per token.
+        auto for_each_row = [&](const T* pool, auto&& visit) {
+          const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
+          const int64_t block_bytes = s.block_size * D * static_cast<int64_t>(sizeof(T));
+          for (int64_t first = 0, b = 0; first < len; first += s.block_size, ++b) {
+            const T* block = pool + (pool_rows + table[b]) * s.block_size * D;
+            if (b + 1 < num_blocks) {  // blocks are scattered: fetch the next one while this one is used
+              const char* next = reinterpret_cast<const char*>(pool + (pool_rows + table[b + 1]) * s.block_size * D);
+              for (int64_t byte = 0; byte < block_bytes; byte += 64) __builtin_prefetch(next + byte);
+            }
+            const int64_t n = std::min(s.block_size, len - first);
+            for (int64_t i = 0; i < n; ++i) visit(first + i, block + i * D);
+          }
         };
         for (int64_t g = 0; g < group; ++g)
           for (int d = 0; d < D; ++d)
             query[g * D + d] = to_float(q[(seq * s.num_heads + kv_head * group + g) * D + d]) * s.scale;
 
         scores.resize(group * len);  // [group, len]
-        for (int64_t t = 0; t < len; ++t) {
-          const T* k = row(key, t);
+        for_each_row(key, [&](int64_t t, const T* k) {
           float k32[D];
           for (int d = 0; d < D; ++d) k32[d] = to_float(k[d]);
           for (int64_t g = 0; g < group; ++g) {
@@ -66,7 +76,7 @@ void decode_attention(const T* q, const T* key, const T* value, const int64_t* t
             for (int d = 0; d < D; ++d) dot += query[g * D + d] * k32[d];
             scores[g * len + t] = dot;
           }
-        }
+        });
         for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, 1 / denominator kept
           float* sc = scores.data() + g * len;
           float max = sc[0];
@@ -79,15 +89,14 @@ void decode_attention(const T* q, const T* key, const T* value, const int64_t* t
           inv_sum[g] = 1.f / sum;
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < len; ++t) {
-          const T* v = row(value, t);
+        for_each_row(value, [&](int64_t t, const T* v) {
           float v32[D];
           for (int d = 0; d < D; ++d) v32[d] = to_float(v[d]);
           for (int64_t g = 0; g < group; ++g) {
             const float w = scores[g * len + t];
             for (int d = 0; d < D; ++d) acc[g * D + d] += w * v32[d];
           }
-        }
+        });
         for (int64_t g = 0; g < group; ++g)
           for (int d = 0; d < D; ++d)
             out[(seq * s.num_heads + kv_head * group + g) * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
