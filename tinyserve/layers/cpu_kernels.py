@@ -1,9 +1,14 @@
 """Our C++ CPU kernels (csrc/), compiled on first use by torch's extension builder and cached per machine.
 
-Only decode attention is ours in C++ (csrc/paged_decode_attention.cpp): torch has no paged attention
-for the CPU, and doing it with torch ops copies every sequence's K once per layer (docs/PERFORMANCE.md).
-The first build takes ~25 s (g++ and ninja, both installed by `make setup`); later processes load the
-cached library from ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) in well under a second.
+- decode attention (csrc/paged_decode_attention.cpp): torch has no paged attention for the CPU, and
+  doing it with torch ops copied every sequence's K once per layer;
+- the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
+  rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops (docs/PERFORMANCE.md).
+
+The layers call these on CPU in float32 and bfloat16 and fall back to their torch formulas elsewhere
+(CUDA, float16), or if the build fails. The first build takes ~40 s (g++ and ninja, both installed by
+`make setup`); later processes load the cached library from ~/.cache/torch_extensions (or
+$TORCH_EXTENSIONS_DIR) in well under a second.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
-DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the kernel is compiled for
-DECODE_DTYPES = (torch.float32, torch.bfloat16)
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp")]
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
 # dot products and sums into vector lanes and call the vectorized expf; inputs are finite scores.
 # (Compiler flags do not reach the link step, so the process's float mode is not changed.)
@@ -32,20 +38,25 @@ def load() -> ModuleType | None:
     """The compiled kernels, or None (logged once) if they cannot be built here."""
     from torch.utils.cpp_extension import load as build
 
-    logger.info("loading the C++ decode attention kernel (compiled on a machine's first run, ~25 s)")
+    logger.info("loading the C++ CPU kernels (compiled on a machine's first run, ~40 s)")
     try:
-        return build(name="tinyserve_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
+        return build(name="tinyserve_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         # no compiler, no ninja, a failed build or load: the torch-op path still works
-        logger.warning("C++ decode attention unavailable, using torch ops (slower): %s", error)
+        logger.warning("C++ CPU kernels unavailable, using torch ops (slower): %s", error)
         return None
 
 
 def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention for this model runs in our kernel: CPU, a compiled dtype and head size,
     and a successful build."""
-    return (device.type == "cpu" and dtype in DECODE_DTYPES and head_dim in DECODE_HEAD_DIMS
+    return (device.type == "cpu" and dtype in KERNEL_DTYPES and head_dim in DECODE_HEAD_DIMS
             and load() is not None)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the elementwise kernels take this tensor: on CPU, in float32 or bfloat16, and built."""
+    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and load() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
@@ -56,3 +67,22 @@ def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # otherwise invisible to it.
     with torch.profiler.record_function("tinyserve::paged_decode_attention"):
         return load().paged_decode_attention(q.contiguous(), key, value, block_tables, seq_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return load().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place (rounded to the dtype), then rms_norm(residual)."""
+    return load().add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] (rows may be strided), cos/sin [tokens, 1, head_dim] -> a new tensor."""
+    return load().rotary(x, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]"""
+    return load().silu_and_mul(x)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, with the statistics in float32 whatever the activation dtype."""
@@ -15,10 +17,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, with the pre-norm decoder's residual stream, (norm(x + residual), x + residual),
+        the sum possibly written into residual's memory. One C++ call on CPU (cpu_kernels)."""
+        if cpu_kernels.applies(x) and x.is_contiguous() and self.weight.dtype == x.dtype:
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        residual = x + residual
+        return rms_norm(residual, self.weight, self.eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch formula (Hugging Face's): the fallback off the CPU kernels, and their yardstick."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class LayerNorm(nn.Module):

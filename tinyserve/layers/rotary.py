@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tinyserve.config import RopeScaling
+from tinyserve.layers import cpu_kernels
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -53,5 +54,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim] rotated by position (HF's "rotate half" layout)."""
+    """x [num_tokens, heads, head_dim] rotated by position (HF's "rotate half" layout). x may be a view
+    into the fused qkv output. One C++ call on CPU (cpu_kernels), the same values as the torch formula."""
+    if cpu_kernels.applies(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return cpu_kernels.rotary(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

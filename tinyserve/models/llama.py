@@ -1,6 +1,6 @@
 """The Llama family: Llama 2/3, TinyLlama, SmolLM2, Mistral; Qwen2 and Qwen3 reuse it with their flags.
 
-Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)). GQA attention over the paged KV cache,
+Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), each add fused into the norm after it. GQA attention over the paged KV cache,
 rotary positions, SwiGLU MLP, tied or untied LM head. Knows nothing of requests: it maps flattened
 tokens of many sequences (with their positions and attention metadata) to hidden states.
 """
@@ -64,9 +64,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, with residual None); residual: the
+        stream before it. Each residual add is fused into the norm that follows it, so a layer returns
+        (MLP output, stream) and the next layer (or the final norm) adds them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,9 +110,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden_size]"""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(rope, x, meta)
-        return self.model.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size]; only the positions that are sampled get here."""

@@ -152,7 +152,3 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not supported");
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool (CPU)");
-}

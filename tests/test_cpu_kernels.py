@@ -1,0 +1,89 @@
+"""The C++ elementwise kernels against the torch formulas they replace: bit for bit in bfloat16 (they
+round where torch rounds), within float32 summation order in float32; and the layers that call them,
+on both paths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinyserve.layers import cpu_kernels
+from tinyserve.layers.activation import SiluAndMul
+from tinyserve.layers.norm import RMSNorm, rms_norm
+from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if actual.dtype == torch.bfloat16:
+        assert torch.equal(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    assert cpu_kernels.load() is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: rows split over threads
+def test_rms_norm_and_add_rms_norm(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    _same(cpu_kernels.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+    stream = residual.clone()
+    out = cpu_kernels.add_rms_norm(x, stream, weight, 1e-5)
+    assert torch.equal(stream, x + residual)  # the sum is written into the residual's memory
+    _same(out, rms_norm(x + residual, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_a_strided_view_of_qkv(dtype):
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, dim = 21, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # rows strided by the whole qkv width
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    cos, sin = RotaryEmbedding(dim, 4096, 10000.0)(torch.randint(0, 4096, (tokens,), generator=gen), dtype)
+    for x in (q, k):
+        _same(cpu_kernels.rotary(x, cos, sin), x * cos + x.roll(dim // 2, dims=-1) * sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(2)).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    _same(cpu_kernels.silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_kernels.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        cpu_kernels.rotary(torch.randn(3, 2, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
+def test_layers_agree_on_both_paths(monkeypatch, use_kernels):
+    """The layers give the torch formulas' values whichever path runs (float16 and CUDA take the torch one)."""
+    if not use_kernels:
+        monkeypatch.setattr(cpu_kernels, "applies", lambda x: False)
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    norm.weight.data = torch.randn(64, generator=gen).to(torch.bfloat16)
+    x, residual = torch.randn(2, 5, 64, generator=gen).to(torch.bfloat16).unbind(0)
+    expected_sum = x + residual
+    out, stream = norm(x, residual.clone())
+    assert torch.equal(stream, expected_sum)
+    assert torch.equal(out, rms_norm(expected_sum, norm.weight, 1e-6))
+    assert torch.equal(norm(x), rms_norm(x, norm.weight, 1e-6))
+    h = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
+    assert torch.equal(SiluAndMul()(h), F.silu(h[:, :64]) * h[:, 64:])
+    q = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    cos, sin = RotaryEmbedding(64, 128, 10000.0)(torch.arange(5), torch.bfloat16)
+    assert torch.equal(apply_rotary(q, cos, sin), q * cos + q.roll(32, dims=-1) * sin)

@@ -1,0 +1,18 @@
+// The Python module of our CPU kernels: tinyserve/layers/cpu_kernels.py builds and loads it.
+
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_and_mul(const torch::Tensor& x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  m.def("rms_norm", &rms_norm, "weight * x / rms(x)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
+  m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}
