@@ -182,12 +182,15 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, sc
     the cache; new_k/new_v ([num_tokens, kv_heads, head_dim]) spare a gather for a prefill with no
     cached prefix."""
     nd = meta.num_decodes
-    if meta.decode_kernel and nd == len(meta.query_lens_host):  # a decode-only step: no copy into out
-        return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.block_tables, meta.seq_lens, scale)
-    out = torch.empty_like(q)
+    decoded = None
     if meta.decode_kernel and nd:
-        out[:nd] = cpu_kernels.paged_decode_attention(q[:nd], cache.key, cache.value, meta.block_tables[:nd],
-                                                      meta.seq_lens[:nd], scale)
+        decoded = cpu_kernels.paged_decode_attention(q[:nd], cache.key, cache.value, meta.block_tables[:nd],
+                                                     meta.seq_lens[:nd], scale)
+        if nd == len(meta.query_lens_host):  # a decode-only step: no copy into out
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:nd] = decoded
     for plan in meta.decode_groups:
         out[plan.start : plan.end] = _decode_attention(q[plan.start : plan.end], cache, plan, scale)
     start = meta.num_decodes

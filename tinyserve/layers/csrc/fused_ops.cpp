@@ -3,28 +3,22 @@
 //
 // Why: in eager torch each is 3-8 ops (casts, pow, mean, rsqrt, muls, roll, chunk), each a dispatch,
 // an allocation and a pass over memory: ~25 ops per layer, 4 of the 23.5 ms of a batch-1 decode step
-// and 14 of 109 ms at batch 64; with these kernels, 1 and 4 ms (docs/PERFORMANCE.md). Each kernel here rounds where the torch
-// formula rounds (tinyserve/layers/norm.py, rotary.py, activation.py), so the two paths agree to the
-// last bit but for the order of float32 sums.
+// and 14 of 109 ms at batch 64; with these kernels, 1 and 4 ms (docs/PERFORMANCE.md). Each kernel
+// rounds where the torch formula rounds (tinyserve/layers/norm.py, rotary.py, activation.py), so the
+// two paths agree to the last bit but for the order of float32 sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_types.h"
+
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T>
-inline T round_to(float x) { return static_cast<T>(x); }  // c10::BFloat16: round to nearest even
+using tinyserve::round_to;
+using tinyserve::to_float;
 
 // Rows split over threads only when there are enough of them to pay for waking the pool.
 constexpr int64_t kRowsPerTask = 16;
@@ -99,13 +93,6 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
   });
 }
 
-template <typename F>
-void dispatch(const torch::Tensor& t, const char* name, F&& run) {
-  if (t.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
-  else if (t.scalar_type() == at::kFloat) run(float{});
-  else TORCH_CHECK(false, name, ": dtype ", t.scalar_type(), " is not supported");
-}
-
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, name, ": x must be contiguous");
 }
@@ -117,7 +104,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "rms_norm: bad weight");
   auto out = torch::empty_like(x);
   const int64_t width = x.size(-1);
-  dispatch(x, "rms_norm", [&](auto tag) {
+  tinyserve::dispatch_float_types(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     rms_norm_rows<T>(x.data_ptr<T>(), nullptr, weight.data_ptr<T>(), out.data_ptr<T>(), x.numel() / width, width,
                      static_cast<float>(eps));
@@ -133,7 +120,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "add_rms_norm: bad weight");
   auto out = torch::empty_like(x);
   const int64_t width = x.size(-1);
-  dispatch(x, "add_rms_norm", [&](auto tag) {
+  tinyserve::dispatch_float_types(x, "add_rms_norm", [&](auto tag) {
     using T = decltype(tag);
     rms_norm_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(),
                      x.numel() / width, width, static_cast<float>(eps));
@@ -150,7 +137,7 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
                   sin.scalar_type() == x.scalar_type(),
               "rotary: cos and sin must be [tokens, head_dim] in x's dtype");
   auto out = torch::empty_like(x);
-  dispatch(x, "rotary", [&](auto tag) {
+  tinyserve::dispatch_float_types(x, "rotary", [&](auto tag) {
     using T = decltype(tag);
     rotary_rows<T>(x.data_ptr<T>(), x.stride(0), cos.data_ptr<T>(), sin.data_ptr<T>(), out.data_ptr<T>(), x.size(0),
                    x.size(1), x.size(2));
@@ -165,7 +152,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   const int64_t d = sizes.back() / 2;
   sizes.back() = d;
   auto out = torch::empty(sizes, x.options());
-  dispatch(x, "silu_and_mul", [&](auto tag) {
+  tinyserve::dispatch_float_types(x, "silu_and_mul", [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul_rows<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.numel() / (2 * d), d);
   });

@@ -13,20 +13,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {  // bfloat16 is float32's top half: a shift the compiler vectorizes
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tinyserve::to_float;
 
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, num_blocks, block_size, table_stride;
@@ -144,11 +139,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty_like(q);
   const Shape s{q.size(0), q.size(1), key.size(0), key.size(1), key.size(2), block_tables.stride(0),
                 static_cast<float>(scale)};
-  if (q.scalar_type() == at::kBFloat16)
-    dispatch_head_dim<c10::BFloat16>(q, key, value, block_tables, seq_lens, out, s);
-  else if (q.scalar_type() == at::kFloat)
-    dispatch_head_dim<float>(q, key, value, block_tables, seq_lens, out, s);
-  else
-    TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not supported");
+  tinyserve::dispatch_float_types(q, "paged_decode_attention", [&](auto tag) {
+    dispatch_head_dim<decltype(tag)>(q, key, value, block_tables, seq_lens, out, s);
+  });
   return out;
 }
