@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp")]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -47,6 +47,15 @@ def load() -> ModuleType | None:
         return None
 
 
+def _named(name: str, kernel, *args):
+    """kernel(*args), named for torch.profiler when one is recording (benchmarks/step_breakdown.py sorts
+    ops by name; a pybind call is otherwise invisible to it). The name costs ~6 us a call, so only then."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(name):
+            return kernel(*args)
+    return kernel(*args)
+
+
 def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention for this model runs in our kernel: CPU, a compiled dtype and head size,
     and a successful build."""
@@ -63,10 +72,8 @@ def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tens
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [num_seqs, heads, head_dim] (one token each); key/value [kv_heads, num_blocks, block_size,
     head_dim]; block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim]."""
-    # Named for torch.profiler (benchmarks/step_breakdown.py counts it as attention): a pybind call is
-    # otherwise invisible to it.
-    with torch.profiler.record_function("tinyserve::paged_decode_attention"):
-        return load().paged_decode_attention(q.contiguous(), key, value, block_tables, seq_lens, scale)
+    return _named("tinyserve::paged_decode_attention", load().paged_decode_attention,
+                  q.contiguous(), key, value, block_tables, seq_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,3 +93,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]"""
     return load().silu_and_mul(x)
+
+
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                out_features: int) -> torch.Tensor:
+    """x [tokens, in] bfloat16 times an int4 weight in layers/quant.py's layout -> [tokens, out]."""
+    return _named("tinyserve::int4_matmul", load().int4_matmul, x, codes, scales, minimums, out_features)
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [tokens, in] bfloat16 times an int8 weight in layers/quant.py's layout -> [tokens, out]."""
+    return _named("tinyserve::int8_matmul", load().int8_matmul, x, codes, scales, out_features)

@@ -1,59 +1,78 @@
-"""Weight-only quantization of the linear layers (CPU): int8 per output channel, int4 in groups of 32.
+"""Weight-only quantization of the linear layers (CPU): int8 and int4 in groups of 32 inputs.
 
 Why: a decode step with a few tokens is bound by reading the weights, so fewer bytes per weight is
-faster. On this machine, all of SmolLM2-135M's linears at one token per step take 13.5 ms in packed
-bfloat16, 9.3 ms in int8 and 4.6 ms in int4 (docs/PERFORMANCE.md). With dozens of tokens per step the
-same int kernels are 2-3x *slower* than bfloat16 on oneDNN, because they are compute-bound there.
+faster. Our kernels (csrc/quantized_matmul.cpp) run all of SmolLM2-135M's block linears at one token per
+step in ~2.7 ms in int4 and ~4.0 ms in int8, against ~3.7 ms for torch's int4 kernel and 12-24 ms for
+oneDNN in packed bfloat16; they still lead bfloat16 at 64 tokens (30 vs 40 ms) and, barely, at 512
+(253 vs 266 ms; docs/PERFORMANCE.md). So a quantized layer has one layout, the kernel's, for every
+step. The kernels round each group of 32 activations to int8, as llama.cpp's do: that is part of the
+quantized model.
 
-So a quantized layer keeps two layouts of one set of weights: the int kernel's, used for steps of at
-most `max_tokens` tokens (activations [tokens, in] in bfloat16), and the dequantized values in bfloat16
-(packed for oneDNN by the caller), used for larger steps. Both hold the same quantized values, so the
-model is the quantized model whatever the step size; only the kernel (and its rounding) changes, as in
-any GEMM library.
-
-int4 is asymmetric with a scale and a minimum per group of 32 inputs: the layout of GGUF's Q4_1, so a
-Q4_1 checkpoint keeps its own 4-bit codes (tests/test_quant.py checks them against the file's blocks).
-The int kernels take bfloat16 activations: with float32 ones they run 10-25x slower here.
+The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group), int8 is Q8_0
+(code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
+(tests/test_quant.py checks Q4_1's against the file's blocks).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tinyserve.config import QUANTIZATIONS
+from tinyserve.layers import cpu_kernels
 
-INT4_GROUP = 32
-_TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero row or group from dividing by zero
+GROUP = 32  # inputs per scale (and minimum)
+KERNEL_ROWS = 16  # the kernels interleave the weights of 16 output rows, one per vector lane
+_TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero group from dividing by zero
+
+
+def _kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Blocks of 16 rows (zero rows pad the last), interleaved per group as csrc/quantized_matmul.cpp reads
+    them. chunks [rows, groups, chunks, 4] uint8: a row's bytes of one group, 4 per vector lane; values:
+    per-group scales or minimums [rows, groups] -> [blocks, groups * 16] each."""
+    rows, groups = chunks.shape[:2]
+    blocks = -(-rows // KERNEL_ROWS)
+    pad = blocks * KERNEL_ROWS - rows
+    chunks = F.pad(chunks, (0, 0, 0, 0, 0, 0, 0, pad))
+    codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, 4).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
+    return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, groups).transpose(1, 2)
+                                .reshape(blocks, -1).contiguous() for v in values]
+
+
+def _grouped(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    if in_features % GROUP:
+        raise ValueError(f"quantization needs in_features divisible by {GROUP}, got {in_features}")
+    return weight.float().reshape(out_features, in_features // GROUP, GROUP)
 
 
 class Int8Weight:
-    """Symmetric int8 with one scale per output row."""
+    """Symmetric int8 per group of 32 inputs (Q8_0): w = code * scale, code in [-127, 127]."""
 
-    max_tokens = 2  # measured: int8 beats packed bfloat16 only up to ~2 tokens per step
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.codes, self.scales = codes, scales  # [out, in] int8, [out] bfloat16
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int):
+        self.codes, self.scales, self.out_features = codes, scales, out_features
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
         """The quantized weight and its dequantized values (float32)."""
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=_TINY).to(torch.bfloat16)  # the kernel's dtype
-        codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(codes, scales), codes.float() * scales.float()[:, None]
+        groups = _grouped(weight)
+        scale = (groups.abs().amax(dim=-1) / 127).to(torch.float16)
+        divisor = scale.float().clamp(min=_TINY)[..., None]
+        codes = torch.round(groups / divisor).clamp(-127, 127)
+        dequantized = (codes * scale.float()[..., None]).reshape(weight.shape)
+        stored = (codes.to(torch.int32) + 128).to(torch.uint8)  # the kernel multiplies unsigned bytes
+        packed, (scales,) = _kernel_layout(stored.reshape(*groups.shape[:2], -1, 4), [scale])
+        return cls(packed, scales, weight.shape[0]), dequantized
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, in] bfloat16 -> [tokens, out]"""
-        return torch._weight_int8pack_mm(x, self.codes, self.scales)
+        return cpu_kernels.int8_matmul(x, self.codes, self.scales, self.out_features)
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1's rule per group of 32 inputs: minimum = the group's min, scale = (max - min) / 15,
     code = round((w - minimum) / scale). Returns codes [out, in] int32, scale and minimum [out, groups]."""
-    out_features, in_features = weight.shape
-    if in_features % INT4_GROUP:
-        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {in_features}")
-    groups = weight.float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    groups = _grouped(weight)
     minimum = groups.amin(dim=-1, keepdim=True)
     scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).clamp(min=_TINY)
     codes = torch.round((groups - minimum) / scale).clamp(0, 15).to(torch.int32).reshape(weight.shape)
@@ -61,29 +80,28 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 class Int4Weight:
-    """Asymmetric int4 per group of 32 inputs: w = code * scale + minimum, code in [0, 15]."""
+    """Asymmetric int4 per group of 32 inputs (Q4_1): w = code * scale + minimum, code in [0, 15]."""
 
-    max_tokens = 8  # measured: int4 beats packed bfloat16 up to ~8-10 tokens per step
-
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor):
-        self.packed, self.scales_and_zeros = packed, scales_and_zeros  # the kernel's layouts
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, out_features: int):
+        self.codes, self.scales, self.minimums, self.out_features = codes, scales, minimums, out_features
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
         """The quantized weight and its dequantized values (float32)."""
         codes, scale, minimum = int4_codes(weight)
-        # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; both in bfloat16
-        # (the kernel's only dtype for them), laid out [groups, out, 2].
-        scales_and_zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1).to(torch.bfloat16)
-        scale, zero = scales_and_zeros.float().unbind(-1)  # rounded as the kernel reads them
-        grouped = codes.reshape(codes.shape[0], -1, INT4_GROUP).float()
-        dequantized = ((grouped - 8) * scale.t()[..., None] + zero.t()[..., None]).reshape(codes.shape)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        return cls(packed, scales_and_zeros.contiguous()), dequantized
+        scale, minimum = scale.to(torch.float16), minimum.to(torch.float16)
+        out_features, in_features = codes.shape
+        groups = codes.reshape(out_features, in_features // GROUP, GROUP)
+        dequantized = (groups * scale.float()[..., None] + minimum.float()[..., None]).reshape(codes.shape)
+        # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
+        nibbles = groups.reshape(out_features, -1, 4, 2, 4)
+        chunks = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).to(torch.uint8)
+        packed, (scales, minimums) = _kernel_layout(chunks, [scale, minimum])
+        return cls(packed, scales, minimums, out_features), dequantized
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, in] bfloat16 -> [tokens, out]"""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return cpu_kernels.int4_matmul(x, self.codes, self.scales, self.minimums, self.out_features)
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:

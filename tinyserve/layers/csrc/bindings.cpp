@@ -8,6 +8,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
+torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                          const torch::Tensor& minimums, int64_t out_features);
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                          int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -15,4 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("int4_matmul", &int4_matmul, "x times an int4 weight (groups of 32, float16 scale and minimum)");
+  m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
 }

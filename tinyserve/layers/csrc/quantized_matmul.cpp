@@ -1,0 +1,223 @@
+// Weight-only int4 and int8 matmuls for steps of a few tokens (decode): out[t, n] = sum_k x[t, k] w[n, k],
+// with per group of 32 inputs w = code * scale + minimum (int4: GGUF's Q4_1) or w = code * scale (int8:
+// GGUF's Q8_0), scale and minimum in float16 (those formats' own type, so such a file loses nothing).
+//
+// Why our own: at a few tokens per step a linear reads its weights once and does little else, so it runs
+// as fast as the weights can be decoded and streamed; torch's int4 and int8 CPU kernels reached ~12 GB/s
+// per core here (docs/PERFORMANCE.md). Two choices, both llama.cpp's on x86:
+// - each group of 32 inputs is rounded to int8 with one float scale (per step, cheap: a few rows), so
+//   that codes times inputs are integer dot instructions (AVX512-VNNI) with exact int32 sums;
+// - the weights are interleaved by 16 output rows, one row per vector lane: a lane sums its own row,
+//   and no horizontal sum is left at the end of a row.
+//
+// Layout (tinyserve/layers/quant.py packs it). Rows are taken in blocks of 16 (the last padded with
+// zero rows); K inputs make G = K / 32 groups. Per block, group by group:
+//   codes   int4: 4 chunks of 64 bytes; in chunk c, bytes 4l .. 4l + 3 belong to the block's row l, and
+//                 byte j holds the code (0..15) of input 8c + j in its low nibble, 8c + 4 + j in its high;
+//           int8: 8 chunks of 64 bytes; in chunk c, bytes 4l + j hold row l's code of input 4c + j, plus
+//                 128 (the instruction multiplies unsigned by signed bytes);
+//   scales  [blocks, G * 16] float16, the 16 rows' scales of group g side by side; minimums (int4) alike.
+// With the inputs x[t, g] ~ x_scale[t, g] * xq[t, g] (int8):
+//   out[t, n] = sum_g scale[n, g] * x_scale[t, g] * (codes[n, g] . xq[t, g]) (+ minimum[n, g] * sum(x[t, g])),
+// where the sums of x are exact (float32), so a group's minimum adds no rounding of its own.
+
+#include "float_types.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using tinyserve::round_to;
+using tinyserve::to_float;
+
+constexpr int kGroup = 32, kRows = 16;
+constexpr int kMaxTokens = 8;  // per pass over a block: the accumulators of 8 tokens fill the registers
+
+// IEEE division, as torch divides: -ffast-math would multiply by an approximate reciprocal, and an input
+// on a rounding boundary would then round the other way than the formula in tests/test_quant.py.
+__attribute__((optimize("no-fast-math"), noinline)) float exact_divide(float a, float b) { return a / b; }
+
+// The inputs rounded for the integer dot: per token and group, 32 int8 values, their float scale, their
+// integer sum and the exact sum of the inputs.
+struct QuantizedInputs {
+  int64_t groups;
+  std::vector<int8_t> values;       // [tokens, K]
+  std::vector<float> scales, sums;  // [tokens, G]
+  std::vector<int32_t> value_sums;  // [tokens, G]
+
+  QuantizedInputs(const c10::BFloat16* x, int64_t tokens, int64_t k)
+      : groups(k / kGroup), values(tokens * k), scales(tokens * groups), sums(tokens * groups),
+        value_sums(tokens * groups) {
+    for (int64_t tg = 0; tg < tokens * groups; ++tg) {
+      const c10::BFloat16* in = x + tg * kGroup;
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < kGroup; ++i) {
+        amax = std::max(amax, std::fabs(to_float(in[i])));
+        sum += to_float(in[i]);
+      }
+      const float inverse = amax > 0.f ? exact_divide(127.f, amax) : 0.f;
+      int32_t value_sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const auto value = static_cast<int8_t>(std::nearbyint(to_float(in[i]) * inverse));
+        values[tg * kGroup + i] = value;
+        value_sum += value;
+      }
+      scales[tg] = exact_divide(amax, 127.f);
+      sums[tg] = sum;
+      value_sums[tg] = value_sum;
+    }
+  }
+  const int32_t* four(int64_t t, int64_t g, int i) const {  // inputs i .. i + 3 of a group, as one int32
+    return reinterpret_cast<const int32_t*>(values.data() + (t * groups + g) * kGroup + i);
+  }
+};
+
+template <int Bits>
+constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+inline __m512 load_halves(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One block of 16 rows for T tokens (the first token is t0): out[t * 16 + l] for row l.
+template <int Bits, int T>
+void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const QuantizedInputs& in,
+           int64_t t0, float* out) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < in.groups; ++g) {
+    const uint8_t* group = codes + g * group_bytes<Bits>();
+    __m512i dot[T];
+    for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i bytes = _mm512_loadu_si512(group + c * 64);
+        const __m512i low = _mm512_and_si512(bytes, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        for (int t = 0; t < T; ++t) {  // each lane: its row's 4 codes times the same 4 inputs
+          dot[t] = _mm512_dpbusd_epi32(dot[t], low, _mm512_set1_epi32(*in.four(t0 + t, g, 8 * c)));
+          dot[t] = _mm512_dpbusd_epi32(dot[t], high, _mm512_set1_epi32(*in.four(t0 + t, g, 8 * c + 4)));
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i bytes = _mm512_loadu_si512(group + c * 64);
+        for (int t = 0; t < T; ++t)
+          dot[t] = _mm512_dpbusd_epi32(dot[t], bytes, _mm512_set1_epi32(*in.four(t0 + t, g, 4 * c)));
+      }
+      for (int t = 0; t < T; ++t)  // the codes were stored plus 128
+        dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(128 * in.value_sums[(t0 + t) * in.groups + g]));
+    }
+    const __m512 scale = load_halves(scales + g * kRows);
+    for (int t = 0; t < T; ++t) {
+      const int64_t tg = (t0 + t) * in.groups + g;
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(scale, _mm512_set1_ps(in.scales[tg])), acc[t]);
+      if constexpr (Bits == 4)
+        acc[t] = _mm512_fmadd_ps(load_halves(minimums + g * kRows), _mm512_set1_ps(in.sums[tg]), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
+}
+
+#else  // portable: the same sums one by one, for CPUs without AVX512-VNNI
+
+template <int Bits, int T>
+void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const QuantizedInputs& in,
+           int64_t t0, float* out) {
+  for (int t = 0; t < T; ++t)
+    for (int l = 0; l < kRows; ++l) {
+      float total = 0.f;
+      for (int64_t g = 0; g < in.groups; ++g) {
+        const uint8_t* group = codes + g * group_bytes<Bits>();
+        const int8_t* xq = in.values.data() + ((t0 + t) * in.groups + g) * kGroup;
+        int32_t dot = 0;
+        for (int i = 0; i < kGroup; ++i) {
+          if constexpr (Bits == 4) {
+            const uint8_t byte = group[(i / 8) * 64 + 4 * l + i % 4];
+            dot += ((i % 8 < 4) ? byte & 0xf : byte >> 4) * xq[i];
+          } else {
+            dot += (group[(i / 4) * 64 + 4 * l + i % 4] - 128) * xq[i];
+          }
+        }
+        const int64_t tg = (t0 + t) * in.groups + g;
+        total += static_cast<float>(scales[g * kRows + l]) * in.scales[tg] * dot;
+        if constexpr (Bits == 4) total += static_cast<float>(minimums[g * kRows + l]) * in.sums[tg];
+      }
+      out[t * kRows + l] = total;
+    }
+}
+
+#endif
+
+// One block for all tokens, 8 at a time: the block's codes (a few KiB) stay in cache between passes.
+template <int Bits>
+void block_all_tokens(const uint8_t* codes, const at::Half* scales, const at::Half* minimums,
+                      const QuantizedInputs& in, int64_t tokens, float* out) {
+  for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
+    float* o = out + t0 * kRows;
+    switch (std::min<int64_t>(kMaxTokens, tokens - t0)) {
+      case 1: block<Bits, 1>(codes, scales, minimums, in, t0, o); break;
+      case 2: block<Bits, 2>(codes, scales, minimums, in, t0, o); break;
+      case 3: block<Bits, 3>(codes, scales, minimums, in, t0, o); break;
+      case 4: block<Bits, 4>(codes, scales, minimums, in, t0, o); break;
+      case 5: block<Bits, 5>(codes, scales, minimums, in, t0, o); break;
+      case 6: block<Bits, 6>(codes, scales, minimums, in, t0, o); break;
+      case 7: block<Bits, 7>(codes, scales, minimums, in, t0, o); break;
+      default: block<Bits, 8>(codes, scales, minimums, in, t0, o); break;
+    }
+  }
+}
+
+template <int Bits>
+torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     const at::Half* minimums, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [tokens, in] bfloat16");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && codes.is_contiguous() &&
+                  scales.is_contiguous(),
+              name, ": codes uint8, scales float16, contiguous");
+  const int64_t tokens = x.size(0), k = x.size(1), n = out_features, blocks = (n + kRows - 1) / kRows;
+  TORCH_CHECK(k % kGroup == 0 && codes.size(0) == blocks && codes.size(1) == k / kGroup * group_bytes<Bits>() &&
+                  scales.size(0) == blocks && scales.size(1) == k / kGroup * kRows,
+              name, ": shapes do not match");
+  TORCH_CHECK(tokens >= 1, name, ": no tokens");
+  const auto xc = x.contiguous();
+  const QuantizedInputs in(xc.data_ptr<c10::BFloat16>(), tokens, k);
+  auto out = torch::empty({tokens, n}, x.options());
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t groups = k / kGroup;
+#pragma omp parallel
+  {
+    std::vector<float> result(tokens * kRows);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_all_tokens<Bits>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
+                             minimums == nullptr ? nullptr : minimums + b * groups * kRows, in, tokens, result.data());
+      const int64_t rows = std::min<int64_t>(kRows, n - b * kRows);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t l = 0; l < rows; ++l) op[t * n + b * kRows + l] = round_to<c10::BFloat16>(result[t * kRows + l]);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                          const torch::Tensor& minimums, int64_t out_features) {
+  TORCH_CHECK(minimums.scalar_type() == at::kHalf && minimums.is_contiguous() && minimums.sizes() == scales.sizes(),
+              "int4_matmul: minimums float16, contiguous, shaped as the scales");
+  return matmul<4>("int4_matmul", x, codes, scales, minimums.data_ptr<at::Half>(), out_features);
+}
+
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                          int64_t out_features) {
+  return matmul<8>("int8_matmul", x, codes, scales, nullptr, out_features);
+}
