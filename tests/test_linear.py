@@ -1,4 +1,5 @@
-"""Repacked (oneDNN-blocked) bfloat16 weights compute what the plain weights compute."""
+"""Repacked bfloat16 weights (our kernel's interleaved layout, or oneDNN's blocked one where our kernels are
+not built) compute what the plain weights compute."""
 
 import copy
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.layers.linear import (
+    Bf16Weight,
     Linear,
     MergedLinear,
     TiedLMHead,
@@ -25,24 +27,31 @@ def test_can_pack_only_bfloat16_on_cpu():
 
 
 @needs_pack
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_equals_plain(rows):
+@pytest.mark.parametrize("own_kernel", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 9, 64, 300])
+def test_packed_linear_equals_plain(rows, own_kernel):
+    """rows: one pass of the kernel (<= 8 tokens), passes with a remainder, and prefill sizes; 96 outputs
+    are 6 blocks of 16 rows, 40 of them a padded block."""
     torch.manual_seed(rows)
-    layer = MergedLinear(96, [64, 32], bias=True).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(rows, 96, dtype=torch.bfloat16)
-    expected = F.linear(x, layer.weight, layer.bias)
-    assert pack_linear_weights(layer) == 1
-    assert layer.weight.is_meta and layer.weight.shape == (96, 64 + 32)[::-1]  # no plain copy left
-    torch.testing.assert_close(layer(x), expected, rtol=1.6e-2, atol=1e-2)
+    for layer in (MergedLinear(96, [64, 32], bias=True), Linear(96, 40, bias=False)):
+        layer = layer.to(torch.bfloat16).requires_grad_(False)
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+        assert pack_linear_weights(layer, own_kernel) == 1
+        assert isinstance(layer.kernel_weight, Bf16Weight) == own_kernel
+        assert (layer.packed_weight is None) == own_kernel
+        assert layer.weight.is_meta and layer.weight.shape == (layer.out_features, 96)  # no plain copy left
+        torch.testing.assert_close(layer(x).float(), expected, rtol=1.6e-2, atol=1e-2)
 
 
 @needs_pack
+@pytest.mark.parametrize("own_kernel", [True, False])
 @pytest.mark.parametrize("tied", [True, False])
-def test_packed_model_logits_equal_plain(tied, tiny_llama):
+def test_packed_model_logits_equal_plain(tied, own_kernel, tiny_llama):
     plain = tiny_llama(tied).to(torch.bfloat16)
     packed = copy.deepcopy(plain)
     linears = sum(isinstance(m, (Linear, TiedLMHead)) for m in packed.modules())
-    assert pack_linear_weights(packed) == linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer + head
+    assert pack_linear_weights(packed, own_kernel) == linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer + head
     if tied:  # the head reads the embedding, which must stay a real tensor
         assert not packed.model.embed_tokens.weight.is_meta
     ids = list(range(3, 40))
@@ -51,4 +60,14 @@ def test_packed_model_logits_equal_plain(tied, tiny_llama):
     # bf16 outputs of the same products: equal up to the rounding of the last bit or two
     assert (got - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert pack_linear_weights(packed) == 0  # idempotent
+    assert pack_linear_weights(packed, own_kernel) == 0  # idempotent
+
+
+def test_bf16_kernel_refuses_what_it_is_not_built_for():
+    weight = Bf16Weight.pack(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="no tokens"):
+        weight.matmul(torch.empty(0, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="shapes"):
+        weight.matmul(torch.randn(1, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        weight.matmul(torch.randn(1, 64))

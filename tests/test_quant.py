@@ -143,8 +143,8 @@ def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_
     assert quantize_linear_weights(model, quantization) == 0  # idempotent
     block_format = Int8Weight if quantization == "int8" else Int4Weight
     blocks = [m for m in model.model.modules() if isinstance(m, Linear)]
-    assert all(isinstance(m.quantized, block_format) and m.weight.is_meta for m in blocks)  # no float copy
-    assert isinstance(model.lm_head.quantized, Int8Weight)
+    assert all(isinstance(m.kernel_weight, block_format) and m.weight.is_meta for m in blocks)  # no float copy
+    assert isinstance(model.lm_head.kernel_weight, Int8Weight)
     assert isinstance(model.lm_head, TiedLMHead) == tied
     # a tied head's matrix is the embedding: its rows are the int8 values in lookups too
     assert torch.equal(model.model.embed_tokens.weight, dequantized.model.embed_tokens.weight)

@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp", "bf16_matmul.cpp")]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -104,3 +104,8 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mini
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [tokens, in] bfloat16 times an int8 weight in layers/quant.py's layout -> [tokens, out]."""
     return _named("tinyserve::int8_matmul", load().int8_matmul, x, codes, scales, out_features)
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [tokens, in] bfloat16 times a bfloat16 weight in layers/linear.py's interleaved layout -> [tokens, out]."""
+    return _named("tinyserve::bf16_matmul", load().bf16_matmul, x, weight, out_features)

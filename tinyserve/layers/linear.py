@@ -1,13 +1,15 @@
-"""Linear layers, and the one-time repacking of their weights for the CPU's matrix units.
+"""Linear layers, and the one-time repacking of their weights into the layout a CPU kernel reads.
 
 A MergedLinear is one matmul standing for several checkpoint projections stacked on the output dim
 (q/k/v, gate/up): fewer, larger ops per step. The loader fills it shard by shard.
 
-Why repack: on CPU, `F.linear` in bfloat16 goes to oneDNN, which converts the plain [out, in] weight to
-its blocked layout on every call. Converting once at load time and calling oneDNN with the
-blocked weight (what inductor's freezing pass does) measured 1.4-1.9x faster over the model's linears
-at 1-64 tokens per step on this machine (docs/PERFORMANCE.md). The plain copy is then dropped: weights
-live once, in the layout the kernel reads.
+Why repack (bfloat16 on CPU): our kernel (csrc/bf16_matmul.cpp) reads weights interleaved by 16 rows;
+over the model's linears it is 1.5x faster than oneDNN at one token per step and even with it at 16-512
+(docs/PERFORMANCE.md). Where our kernels are not built, `F.linear` goes to oneDNN, which converts the
+plain weight to its blocked layout on every call, so it gets the blocked weight once at load time
+(what inductor's freezing pass does; 1.4-1.9x faster). Either way the plain copy is then dropped:
+weights live once, in the layout the kernel reads. Quantized weights (layers/quant.py) take the same
+slot, `kernel_weight`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,33 @@ from tinyserve.layers.quant import Int4Weight, Int8Weight
 PACK_BATCH_HINT = 64
 
 
+class Bf16Weight:
+    """A bfloat16 weight in our kernel's layout: blocks of 16 rows (zero rows pad the last); per block and
+    pair of inputs, the 16 rows' two weights side by side (csrc/bf16_matmul.cpp)."""
+
+    def __init__(self, weight: torch.Tensor, out_features: int):
+        self.weight, self.out_features = weight, out_features
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Bf16Weight:
+        out_features, in_features = weight.shape
+        blocks = -(-out_features // 16)
+        padded = F.pad(weight.to(torch.bfloat16), (0, 0, 0, blocks * 16 - out_features))
+        interleaved = padded.reshape(blocks, 16, in_features // 2, 2).permute(0, 2, 1, 3).reshape(blocks, -1)
+        return cls(interleaved.contiguous(), out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, in] bfloat16 -> [tokens, out]"""
+        return cpu_kernels.bf16_matmul(x, self.weight, self.out_features)
+
+
+KernelWeight = Bf16Weight | Int8Weight | Int4Weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           quantized: Int8Weight | Int4Weight | None = None) -> torch.Tensor:
-    if quantized is not None:
-        out = quantized.matmul(x)
+           kernel_weight: KernelWeight | None = None) -> torch.Tensor:
+    if kernel_weight is not None:
+        out = kernel_weight.matmul(x)
         return out if bias is None else out + bias
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -34,13 +59,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be repacked once for oneDNN (see pack_linear_weights)."""
+    """nn.Linear whose weight can be repacked once for a kernel (see pack_linear_weights)."""
 
-    packed_weight: torch.Tensor | None = None
-    quantized: Int8Weight | Int4Weight | None = None  # see layers/quant.py
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
+    kernel_weight: KernelWeight | None = None  # our kernels' (bf16 here, int8 / int4: layers/quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.kernel_weight)
 
 
 class MergedLinear(Linear):
@@ -58,7 +83,7 @@ class TiedLMHead(nn.Module):
     matrix stays the embedding's parameter (not registered here, so the loader expects it once)."""
 
     packed_weight: torch.Tensor | None = None
-    quantized: Int8Weight | None = None
+    kernel_weight: KernelWeight | None = None
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
@@ -69,7 +94,7 @@ class TiedLMHead(nn.Module):
         return self._embedding[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed_weight, self.quantized)
+        return linear(x, self.weight, None, self.packed_weight, self.kernel_weight)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -78,15 +103,21 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Repack every unquantized Linear and tied head of a loaded model in place; returns how many. A Linear's plain
+def pack_linear_weights(model: nn.Module, own_kernel: bool | None = None) -> int:
+    """Repack every unquantized Linear and tied head of a loaded bfloat16 model in place, for our kernel
+    (own_kernel; by default where it is built) or else for oneDNN; returns how many. A Linear's plain
     weight is replaced by a meta-device placeholder of the same shape (no memory); a tied head's is the
     embedding's and stays."""
+    own = cpu_kernels.load() is not None if own_kernel is None else own_kernel
     count = 0
     for module in model.modules():
         if (isinstance(module, (Linear, TiedLMHead)) and module.packed_weight is None
-                and module.quantized is None):
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
+                and module.kernel_weight is None):
+            weight = module.weight.detach()
+            if own and weight.shape[1] % 16 == 0:  # the kernel sums 8 pairs of inputs per step
+                module.kernel_weight = Bf16Weight.pack(weight)
+            else:
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             if isinstance(module, Linear):
                 module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
             count += 1
@@ -111,13 +142,13 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     count = 0
     for name, module in model.named_modules():
         is_head = isinstance(module, TiedLMHead) or name.rsplit(".", 1)[-1] == "lm_head"
-        if isinstance(module, (Linear, TiedLMHead)) and module.quantized is None:
+        if isinstance(module, (Linear, TiedLMHead)) and module.kernel_weight is None:
             fmt = Int4Weight if quantization == "int4" and not is_head else Int8Weight
             quantized, dequantized = fmt.quantize(module.weight.detach())
             if int_kernels and isinstance(module, Linear):
                 module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
             else:
                 module.weight.data.copy_(dequantized)
-            module.quantized = quantized if int_kernels else None
+            module.kernel_weight = quantized if int_kernels else None
             count += 1
     return count

@@ -10,6 +10,7 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           const torch::Tensor& minimums, int64_t out_features);
+torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           int64_t out_features);
 
@@ -20,5 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("int4_matmul", &int4_matmul, "x times an int4 weight (groups of 32, float16 scale and minimum)");
+  m.def("bf16_matmul", &bf16_matmul, "x times a bfloat16 weight interleaved by 16 rows");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
 }
