@@ -11,6 +11,7 @@ import torch
 from tinyserve.config import EngineConfig
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.layers.linear import (
+    Bf16Weight,
     Linear,
     TiedLMHead,
     can_pack,
@@ -82,8 +83,10 @@ def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens)
     assert ((got.float() - expected).abs() <= expected.abs() / 256 + 1e-5 * expected.abs().max()).all()
 
 
-def test_int_kernels_refuse_what_they_are_not_built_for():
-    quantized, _ = Int4Weight.quantize(torch.randn(32, 64))
+@pytest.mark.parametrize("pack", [lambda w: Int4Weight.quantize(w)[0], lambda w: Int8Weight.quantize(w)[0],
+                                  Bf16Weight.pack], ids=["int4", "int8", "bf16"])
+def test_our_matmul_kernels_refuse_what_they_are_not_built_for(pack):
+    quantized = pack(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="no tokens"):
         quantized.matmul(torch.empty(0, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="shapes"):
