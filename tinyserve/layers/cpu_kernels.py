@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -39,12 +41,18 @@ def load() -> ModuleType | None:
     from torch.utils.cpp_extension import load as build
 
     logger.info("loading the C++ CPU kernels (compiled on a machine's first run, ~40 s)")
+    # torch runs the first `ninja` on PATH. Ours (installed beside this interpreter) goes first, so every
+    # process uses one version: another version discards the build log and rebuilds everything (~1 min).
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + path
     try:
         return build(name="tinyserve_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         # no compiler, no ninja, a failed build or load: the torch-op path still works
         logger.warning("C++ CPU kernels unavailable, using torch ops (slower): %s", error)
         return None
+    finally:
+        os.environ["PATH"] = path
 
 
 def _named(name: str, kernel, *args):
