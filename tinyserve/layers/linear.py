@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import cpu_kernels
-from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int8Weight, kernel_layout
 
 # Tokens per step the blocked layout is tuned for; measured flat from 1 to 300 tokens per step.
 PACK_BATCH_HINT = 64
@@ -34,11 +34,11 @@ class Bf16Weight:
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> Bf16Weight:
+        # the int kernels' interleaving, with one group per row and 4 bytes = 2 weights per lane
         out_features, in_features = weight.shape
-        blocks = -(-out_features // 16)
-        padded = F.pad(weight.to(torch.bfloat16), (0, 0, 0, blocks * 16 - out_features))
-        interleaved = padded.reshape(blocks, 16, in_features // 2, 2).permute(0, 2, 1, 3).reshape(blocks, -1)
-        return cls(interleaved.contiguous(), out_features)
+        pairs = weight.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(out_features, 1, in_features // 2, 4)
+        interleaved, _ = kernel_layout(pairs, [])
+        return cls(interleaved.view(torch.bfloat16), out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, in] bfloat16 -> [tokens, out]"""

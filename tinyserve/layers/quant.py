@@ -26,10 +26,11 @@ KERNEL_ROWS = 16  # the kernels interleave the weights of 16 output rows, one pe
 _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero group from dividing by zero
 
 
-def _kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Blocks of 16 rows (zero rows pad the last), interleaved per group as csrc/quantized_matmul.cpp reads
-    them. chunks [rows, groups, chunks, 4] uint8: a row's bytes of one group, 4 per vector lane; values:
-    per-group scales or minimums [rows, groups] -> [blocks, groups * 16] each."""
+def kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Blocks of 16 rows (zero rows pad the last), interleaved per group as our matmul kernels read them
+    (csrc/quantized_matmul.cpp, csrc/bf16_matmul.cpp). chunks [rows, groups, chunks, 4] uint8: a row's
+    bytes of one group, 4 per vector lane; values: per-group scales or minimums [rows, groups] ->
+    [blocks, groups * 16] each."""
     rows, groups = chunks.shape[:2]
     blocks = -(-rows // KERNEL_ROWS)
     pad = blocks * KERNEL_ROWS - rows
@@ -61,7 +62,7 @@ class Int8Weight:
         codes = torch.round(groups / divisor).clamp(-127, 127)
         dequantized = (codes * scale.float()[..., None]).reshape(weight.shape)
         stored = (codes.to(torch.int32) + 128).to(torch.uint8)  # the kernel multiplies unsigned bytes
-        packed, (scales,) = _kernel_layout(stored.reshape(*groups.shape[:2], -1, 4), [scale])
+        packed, (scales,) = kernel_layout(stored.reshape(*groups.shape[:2], -1, 4), [scale])
         return cls(packed, scales, weight.shape[0]), dequantized
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,7 @@ class Int4Weight:
         # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
         nibbles = groups.reshape(out_features, -1, 4, 2, 4)
         chunks = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).to(torch.uint8)
-        packed, (scales, minimums) = _kernel_layout(chunks, [scale, minimum])
+        packed, (scales, minimums) = kernel_layout(chunks, [scale, minimum])
         return cls(packed, scales, minimums, out_features), dequantized
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
