@@ -3,7 +3,9 @@
 - decode attention (csrc/paged_decode_attention.cpp): torch has no paged attention for the CPU, and
   doing it with torch ops copied every sequence's K once per layer;
 - the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
-  rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops (docs/PERFORMANCE.md).
+  rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops;
+- matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp):
+  weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md).
 
 The layers call these on CPU in float32 and bfloat16 and fall back to their torch formulas elsewhere
 (CUDA, float16), or if the build fails. The first build takes ~40 s (g++ and ninja, both installed by
@@ -26,7 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp", "bf16_matmul.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp",
+                                           "quantized_matmul.cpp", "bf16_matmul.cpp")]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
