@@ -8,19 +8,14 @@
 // Layout (tinyserve/layers/linear.py packs it): rows in blocks of 16 (the last padded with zero rows);
 // per block, for each pair of inputs p, 64 bytes: row l's weights of inputs 2p and 2p + 1 at bytes 4l.
 
-#include "float_types.h"
+#include "row_blocks.h"
 
 #include <immintrin.h>
 
-#include <vector>
-
 namespace {
 
-using tinyserve::round_to;
+using tinyserve::kRows;
 using tinyserve::to_float;
-
-constexpr int kRows = 16;
-constexpr int kMaxTokens = 8;  // per pass over a block: the accumulators of 8 tokens fill the registers
 
 #if defined(__AVX512BF16__)
 
@@ -81,29 +76,8 @@ torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, i
   const auto* xp = xc.data_ptr<c10::BFloat16>();
   const auto* wp = weight.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
-#pragma omp parallel
-  {
-    std::vector<float> result(tokens * kRows);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const c10::BFloat16* w = wp + b * k * kRows;
-      for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {  // the block's weights stay in cache between passes
-        float* o = result.data() + t0 * kRows;
-        switch (std::min<int64_t>(kMaxTokens, tokens - t0)) {
-          case 1: pass<1>(w, xp, k, t0, o); break;
-          case 2: pass<2>(w, xp, k, t0, o); break;
-          case 3: pass<3>(w, xp, k, t0, o); break;
-          case 4: pass<4>(w, xp, k, t0, o); break;
-          case 5: pass<5>(w, xp, k, t0, o); break;
-          case 6: pass<6>(w, xp, k, t0, o); break;
-          case 7: pass<7>(w, xp, k, t0, o); break;
-          default: pass<8>(w, xp, k, t0, o); break;
-        }
-      }
-      const int64_t rows = std::min<int64_t>(kRows, n - b * kRows);
-      for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t l = 0; l < rows; ++l) op[t * n + b * kRows + l] = round_to<c10::BFloat16>(result[t * kRows + l]);
-    }
-  }
+  tinyserve::for_row_blocks(n, tokens, op, [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
+    pass<decltype(tokens_in_pass)::value>(wp + b * k * kRows, xp, k, t0, o);
+  });
   return out;
 }

@@ -21,7 +21,7 @@
 //   out[t, n] = sum_g scale[n, g] * x_scale[t, g] * (codes[n, g] . xq[t, g]) (+ minimum[n, g] * sum(x[t, g])),
 // where the sums of x are exact (float32), so a group's minimum adds no rounding of its own.
 
-#include "float_types.h"
+#include "row_blocks.h"
 
 #include <immintrin.h>
 
@@ -30,11 +30,11 @@
 
 namespace {
 
-using tinyserve::round_to;
 using tinyserve::to_float;
 
-constexpr int kGroup = 32, kRows = 16;
-constexpr int kMaxTokens = 8;  // per pass over a block: the accumulators of 8 tokens fill the registers
+using tinyserve::kRows;
+
+constexpr int kGroup = 32;
 
 // IEEE division, as torch divides: -ffast-math would multiply by an approximate reciprocal, and an input
 // on a rounding boundary would then round the other way than the formula in tests/test_quant.py.
@@ -155,25 +155,6 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
 
 #endif
 
-// One block for all tokens, 8 at a time: the block's codes (a few KiB) stay in cache between passes.
-template <int Bits>
-void block_all_tokens(const uint8_t* codes, const at::Half* scales, const at::Half* minimums,
-                      const QuantizedInputs& in, int64_t tokens, float* out) {
-  for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
-    float* o = out + t0 * kRows;
-    switch (std::min<int64_t>(kMaxTokens, tokens - t0)) {
-      case 1: block<Bits, 1>(codes, scales, minimums, in, t0, o); break;
-      case 2: block<Bits, 2>(codes, scales, minimums, in, t0, o); break;
-      case 3: block<Bits, 3>(codes, scales, minimums, in, t0, o); break;
-      case 4: block<Bits, 4>(codes, scales, minimums, in, t0, o); break;
-      case 5: block<Bits, 5>(codes, scales, minimums, in, t0, o); break;
-      case 6: block<Bits, 6>(codes, scales, minimums, in, t0, o); break;
-      case 7: block<Bits, 7>(codes, scales, minimums, in, t0, o); break;
-      default: block<Bits, 8>(codes, scales, minimums, in, t0, o); break;
-    }
-  }
-}
-
 template <int Bits>
 torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                      const at::Half* minimums, int64_t out_features) {
@@ -193,18 +174,10 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
   const auto* sp = scales.data_ptr<at::Half>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t groups = k / kGroup;
-#pragma omp parallel
-  {
-    std::vector<float> result(tokens * kRows);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      block_all_tokens<Bits>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
-                             minimums == nullptr ? nullptr : minimums + b * groups * kRows, in, tokens, result.data());
-      const int64_t rows = std::min<int64_t>(kRows, n - b * kRows);
-      for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t l = 0; l < rows; ++l) op[t * n + b * kRows + l] = round_to<c10::BFloat16>(result[t * kRows + l]);
-    }
-  }
+  tinyserve::for_row_blocks(n, tokens, op, [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
+    block<Bits, decltype(tokens_in_pass)::value>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
+                                                 minimums == nullptr ? nullptr : minimums + b * groups * kRows, in, t0, o);
+  });
   return out;
 }
 
