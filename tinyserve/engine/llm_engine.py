@@ -19,6 +19,7 @@ from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.stats import EngineStats
 from tinyserve.loader.model_loader import LoadedModel, load_model
+from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import FinishReason, Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,18 +30,18 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, config.dtype, config.device, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        param = next(loaded.model.parameters())
+        device, dtype = device_and_dtype(loaded.model)
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
-        cache_config = resolve_cache_config(config.cache, loaded.config, param.dtype, param.device, max_model_len)
+        cache_config = resolve_cache_config(config.cache, loaded.config, dtype, device, max_model_len)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            hash_seed=f"{loaded.source}:{param.dtype}:{config.quantization}",  # cached KV is per weights
+            hash_seed=f"{loaded.source}:{dtype}:{config.quantization}",  # cached KV is per weights
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
-        if param.device.type == "cpu":
+        if device.type == "cpu":
             keep_freed_host_memory()
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)

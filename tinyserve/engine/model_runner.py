@@ -16,6 +16,7 @@ from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
 from tinyserve.engine.sampler import Sampler
 from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.layers.cpu_kernels import decode_kernel_applies
+from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import Request, TokenLogprob
 
 
@@ -44,8 +45,8 @@ class ModelRunner:
     """Owns the model, the KV pool (allocated here once) and the sampler."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0):
-        param = next(model.parameters())
-        self.model, self.device, self.dtype = model, param.device, param.dtype
+        self.device, self.dtype = device_and_dtype(model)
+        self.model = model
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_kv_heads = model.config.num_key_value_heads
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)

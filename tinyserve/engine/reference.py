@@ -10,6 +10,7 @@ from torch import nn
 
 from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
+from tinyserve.models.registry import device_and_dtype
 
 
 @contextlib.contextmanager
@@ -52,11 +53,11 @@ def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
 
 class _ReferenceRunner:
     def __init__(self, model: nn.Module, max_len: int, block_size: int, decode_kernel: bool):
-        param = next(model.parameters())
-        self.model, self.block_size, self.device = model, block_size, param.device
+        self.device, dtype = device_and_dtype(model)
+        self.model, self.block_size = model, block_size
         self.decode_kernel = decode_kernel
         num_blocks = -(-max_len // block_size)
-        bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, param.dtype, param.device))
+        bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, dtype, self.device))
         self.block_table = list(range(num_blocks))
 
     def run(self, token_ids: list[int], start: int) -> torch.Tensor:

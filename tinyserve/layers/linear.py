@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.quant import Int4Weight, Int8Weight, kernel_layout
 
 # Tokens per step the blocked layout is tuned for; measured flat from 1 to 300 tokens per step.
@@ -85,13 +86,17 @@ class TiedLMHead(nn.Module):
     packed_weight: torch.Tensor | None = None
     kernel_weight: KernelWeight | None = None
 
-    def __init__(self, embedding: nn.Embedding):
+    def __init__(self, embedding: Embedding):
         super().__init__()
         self._embedding = (embedding,)  # a tuple hides it from nn.Module's registry
 
     @property
+    def embedding(self) -> Embedding:
+        return self._embedding[0]
+
+    @property
     def weight(self) -> torch.Tensor:
-        return self._embedding[0].weight
+        return self.embedding.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, None, self.packed_weight, self.kernel_weight)
@@ -128,8 +133,8 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     """Quantize every Linear of a loaded (float32) model in place, the LM head in int8 in both modes;
     returns how many. Our int kernels then run every step: they beat oneDNN's bfloat16 at every step
     size here, from 1 token (4x) to 512 (1.05x), so no float copy is kept (a Linear's weight becomes a
-    meta-device placeholder). A tied head's matrix is the embedding's, so the embedding rows become the
-    int8 values: one model, in lookups and logits.
+    meta-device placeholder). A tied head's matrix is the embedding's, so the embedding looks its rows up
+    in the head's int8 codes (layers/embedding.py): one model, in lookups and logits, stored once.
 
     Why the head: it reads 28M weights for every token, ~2.3 ms of a 9 ms int4 step in bfloat16 here.
     Why int8 there: in int4 it was faster still but cost 7% perplexity (docs/PERFORMANCE.md). The
@@ -145,10 +150,12 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
         if isinstance(module, (Linear, TiedLMHead)) and module.kernel_weight is None:
             fmt = Int4Weight if quantization == "int4" and not is_head else Int8Weight
             quantized, dequantized = fmt.quantize(module.weight.detach())
-            if int_kernels and isinstance(module, Linear):
-                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+            if int_kernels:
+                module.kernel_weight = quantized
+                owner = module.embedding if isinstance(module, TiedLMHead) else module  # holds the matrix
+                owner.kernel_weight = quantized
+                owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
             else:
                 module.weight.data.copy_(dequantized)
-            module.kernel_weight = quantized if int_kernels else None
             count += 1
     return count

@@ -65,6 +65,15 @@ class Int8Weight:
         packed, (scales,) = kernel_layout(stored.reshape(*groups.shape[:2], -1, 4), [scale])
         return cls(packed, scales, weight.shape[0]), dequantized
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout."""
+        blocks = self.codes.shape[0]
+        codes = self.codes.view(blocks, -1, KERNEL_ROWS, 4)  # [block, group and chunk, row, byte]
+        scales = self.scales.view(blocks, -1, KERNEL_ROWS)  # [block, group, row]
+        block, row = ids // KERNEL_ROWS, ids % KERNEL_ROWS
+        groups = codes[block, :, row].reshape(len(ids), scales.shape[1], GROUP).float() - 128
+        return (groups * scales[block, :, row].float()[..., None]).flatten(1)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, in] bfloat16 -> [tokens, out]"""
         return cpu_kernels.int8_matmul(x, self.codes, self.scales, self.out_features)

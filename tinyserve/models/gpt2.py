@@ -13,6 +13,7 @@ from torch import nn
 from tinyserve.config import ModelConfig
 from tinyserve.layers.activation import gelu_tanh
 from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.norm import LayerNorm
 
@@ -60,8 +61,8 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wte = Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
         self.ln_f = LayerNorm(config.hidden_size, config.norm_eps)
 

@@ -13,6 +13,7 @@ from torch import nn
 from tinyserve.config import ModelConfig
 from tinyserve.layers.activation import SiluAndMul
 from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, MergedLinear, TiedLMHead
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -81,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)  # shared by all layers: one per step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from tinyserve.models.gpt2 import GPT2LMHeadModel
@@ -37,3 +38,10 @@ def family_of_hf_architecture(name: str) -> str:
         supported = ", ".join(sorted(HF_ARCHITECTURES))
         raise ValueError(f"architecture {name!r} is not supported (supported: {supported})")
     return HF_ARCHITECTURES[name]
+
+
+def device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where a loaded model computes, and in what dtype: its first parameter that holds memory (a
+    quantized model's matrices live in kernel layouts, their parameters on the meta device)."""
+    param = next(p for p in model.parameters() if not p.is_meta)
+    return param.device, param.dtype
