@@ -69,10 +69,11 @@ def _kernel_formula(x: torch.Tensor, weight: torch.Tensor, fmt) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [Int4Weight, Int8Weight])
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (40, 96), (16, 32), (960, 576)])
-@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 19])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 19, 64])
 def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens):
     """Every output row (40: a block of 16 padded; 96 inputs: an odd number of groups) for token counts
-    within one pass of 8 and across passes (19), to the rounding of the bfloat16 output."""
+    within one pass of 8 and across passes (19), to the rounding of the bfloat16 output; 64 x 576 inputs
+    are rounded to int8 on all threads."""
     torch.manual_seed(out_features + tokens)
     weight = torch.randn(out_features, in_features) * 0.05
     x = torch.randn(tokens, in_features, dtype=torch.bfloat16)

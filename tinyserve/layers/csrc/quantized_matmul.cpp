@@ -41,7 +41,9 @@ constexpr int kGroup = 32;
 __attribute__((optimize("no-fast-math"), noinline)) float exact_divide(float a, float b) { return a / b; }
 
 // The inputs rounded for the integer dot: per token and group, 32 int8 values, their float scale, their
-// integer sum and the exact sum of the inputs.
+// integer sum and the exact sum of the inputs. A prefill step rounds ~3,300 inputs per token and layer;
+// one by one on one thread, that was ~6% of the int linears' time at 64-512 tokens, so groups are
+// rounded a vector at a time, on all threads when there are many.
 struct QuantizedInputs {
   int64_t groups;
   std::vector<int8_t> values;       // [tokens, K]
@@ -51,27 +53,46 @@ struct QuantizedInputs {
   QuantizedInputs(const c10::BFloat16* x, int64_t tokens, int64_t k)
       : groups(k / kGroup), values(tokens * k), scales(tokens * groups), sums(tokens * groups),
         value_sums(tokens * groups) {
-    for (int64_t tg = 0; tg < tokens * groups; ++tg) {
-      const c10::BFloat16* in = x + tg * kGroup;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < kGroup; ++i) {
-        amax = std::max(amax, std::fabs(to_float(in[i])));
-        sum += to_float(in[i]);
-      }
-      const float inverse = amax > 0.f ? exact_divide(127.f, amax) : 0.f;
-      int32_t value_sum = 0;
-      for (int i = 0; i < kGroup; ++i) {
-        const auto value = static_cast<int8_t>(std::nearbyint(to_float(in[i]) * inverse));
-        values[tg * kGroup + i] = value;
-        value_sum += value;
-      }
-      scales[tg] = exact_divide(amax, 127.f);
-      sums[tg] = sum;
-      value_sums[tg] = value_sum;
-    }
+    const int64_t count = tokens * groups;
+#pragma omp parallel for schedule(static) if (count >= 512)
+    for (int64_t tg = 0; tg < count; ++tg) round_group(x + tg * kGroup, tg);
   }
   const int32_t* four(int64_t t, int64_t g, int i) const {  // inputs i .. i + 3 of a group, as one int32
     return reinterpret_cast<const int32_t*>(values.data() + (t * groups + g) * kGroup + i);
+  }
+
+ private:
+  void round_group(const c10::BFloat16* in, int64_t tg) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512i raw = _mm512_loadu_si512(in);  // 32 bfloat16: a float's upper half each
+    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float inverse = amax > 0.f ? exact_divide(127.f, amax) : 0.f;
+    // one rounding of x * inverse, to nearest even (the default mode), as nearbyint below
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(values.data() + tg * kGroup), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(values.data() + tg * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+    sums[tg] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    value_sums[tg] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < kGroup; ++i) {
+      amax = std::max(amax, std::fabs(to_float(in[i])));
+      sum += to_float(in[i]);
+    }
+    const float inverse = amax > 0.f ? exact_divide(127.f, amax) : 0.f;
+    int32_t value_sum = 0;
+    for (int i = 0; i < kGroup; ++i) {
+      const auto value = static_cast<int8_t>(std::nearbyint(to_float(in[i]) * inverse));
+      values[tg * kGroup + i] = value;
+      value_sum += value;
+    }
+    sums[tg] = sum;
+    value_sums[tg] = value_sum;
+#endif
+    scales[tg] = exact_divide(amax, 127.f);
   }
 };
 
