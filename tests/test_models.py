@@ -4,6 +4,8 @@ save_pretrained (safetensors) and read back with loader/hf.py; broken folders mu
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -284,3 +286,14 @@ def test_smollm2_gguf_and_its_hf_export_agree(tmp_path):
     ids = _sequences()[2]
     diff = (forward_sequence(_load(folder), ids) - forward_sequence(from_gguf, ids)).abs().max().item()
     assert diff <= 1e-6, f"max |hf folder - gguf| = {diff:.2e}"
+
+
+def test_loading_imports_no_compiler_stack():
+    """Built on the meta device, a model must not pull in torch._dynamo or sympy: nn.Embedding's random
+    init and to() / to_empty() on meta tensors do (~60 MiB resident in a server that never compiles)."""
+    code = ("import sys\n"
+            "from tinyserve.loader.model_loader import load_model\n"
+            "load_model('smollm2-135m', device='cpu', quantization=None)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -81,8 +81,8 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
     # A quantized model is quantized from float32 weights (a GGUF's exact dequantized values), then cast.
     load_dtype = torch.float32 if quantization else dtype
     with torch.device("meta"):
-        model = cls(config).to(load_dtype)
-    model = model.to_empty(device=device)
+        model = cls(config)
+    _materialize(model, load_dtype, device)
     with torch.no_grad():
         load_weights(model, tensors, ignore=ignore)
         if quantization:
@@ -91,6 +91,17 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
     if can_pack(dtype, device):
         pack_linear_weights(model)
     return model.eval().requires_grad_(False)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace the meta placeholders by uninitialized tensors on device, floating ones in dtype.
+
+    Why not `.to(dtype).to_empty(device)`: on meta tensors those run torch's Python reference kernels,
+    whose first use imports sympy (~25 MiB resident in a server that never traces anything)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto", quantization: str | None = None) -> LoadedModel:
