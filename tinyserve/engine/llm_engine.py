@@ -13,7 +13,9 @@ from dataclasses import replace
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
-from tinyserve.engine.memory import keep_freed_host_memory, resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.memory import (
+    keep_freed_host_memory, map_large_buffers_apart, resolve_cache_config, resolve_max_model_len,
+)
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.scheduler import Scheduler
@@ -27,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        loaded = loaded or load_model(config.model, config.dtype, config.device, config.quantization)
+        if loaded is None:
+            map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory.py)
+            loaded = load_model(config.model, config.dtype, config.device, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         device, dtype = device_and_dtype(loaded.model)
