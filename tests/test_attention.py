@@ -23,30 +23,30 @@ def _dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 
-def _build(seqs, dtype, seed=0, decode_kernel=False):
+def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=BLOCK):
     """seqs: list of (cached_len, new_len). Blocks handed out in a shuffled order (scattered tables)."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + n) // BLOCK) for c, n in seqs) + 3
+    num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    cache = KVCache(torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype),
-                    torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype))
+    cache = KVCache(torch.zeros(kv_heads, num_blocks, block, head_dim, dtype=dtype),
+                    torch.zeros(kv_heads, num_blocks, block, head_dim, dtype=dtype))
     full, tables, slots, q_parts, k_new, v_new = [], [], [], [], [], []
     for cached, new in seqs:
         total = cached + new
-        n_blocks = -(-total // BLOCK)
+        n_blocks = -(-total // block)
         table = [order.pop() for _ in range(n_blocks)]
         tables.append(table)
-        q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(dtype)
-        k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
         full.append((q, k, v))
-        seq_slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(total)])
+        seq_slots = torch.tensor([table[p // block] * block + p % block for p in range(total)])
         write_kv(cache, k[:cached], v[:cached], seq_slots[:cached])  # what earlier steps left in the cache
         slots.append(seq_slots[cached:])
         q_parts.append(q[cached:]); k_new.append(k[cached:]); v_new.append(v[cached:])
     meta = AttentionMetadata.build(
-        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], BLOCK,
-        KV_HEADS, num_blocks, torch.device("cpu"), decode_kernel,
+        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block,
+        kv_heads, num_blocks, torch.device("cpu"), decode_kernel,
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.slot_mapping)
@@ -93,6 +93,21 @@ def test_bfloat16_close_to_float32_reference(decode_kernel):
     ours = paged_attention(q, cache, meta, scale, k, v).float()
     ref = reference_paged_attention(q, cache, meta, scale).float()
     assert (ours - ref).abs().max().item() < 3e-2
+
+
+@pytest.mark.parametrize("block", [8, 16, 48])
+@pytest.mark.parametrize("heads, head_dim", [(9, 64), (6, 128), (24, 32)])
+def test_bfloat16_decode_kernel_at_model_sizes(block, heads, head_dim):
+    """The kernel's bfloat16 scores (16 key rows at a time, bfloat16 dot instructions) at the head sizes
+    of real models: blocks shorter than, equal to and longer than 16 rows, lengths that end mid-block;
+    group of 3 query heads per KV head (SmolLM2), 2, and 8."""
+    seqs = [(c, 1) for c in (300, 47, 16, 15, 1, 0)]
+    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=block + head_dim, decode_kernel=True, heads=heads,
+                                     kv_heads=3, head_dim=head_dim, block=block)
+    scale = head_dim**-0.5
+    ours = paged_attention(q, cache, meta, scale, k, v).float()
+    ref = reference_paged_attention(q, cache, meta, scale).float()
+    assert (ours - ref).abs().max().item() < 2e-2
 
 
 def test_causal_mask_offsets_by_cached_tokens():
