@@ -25,6 +25,7 @@ import torch
 from tinyserve.engine.reference import forward_sequence, greedy_generate
 from tinyserve.layers.cpu_kernels import decode_kernel_applies
 from tinyserve.loader.model_loader import load_model
+from tinyserve.models.registry import device_and_dtype
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 MODES = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")]
@@ -62,8 +63,8 @@ def main() -> None:
                    for p in PROMPTS]
         # The speed modes decode as the engine does (our C++ decode attention on CPU); the float32
         # reference keeps the plain torch ops.
-        param = next(loaded.model.parameters())
-        kernel = dtype != "float32" and decode_kernel_applies(param.device, param.dtype, loaded.config.head_dim)
+        device, model_dtype = device_and_dtype(loaded.model)
+        kernel = dtype != "float32" and decode_kernel_applies(device, model_dtype, loaded.config.head_dim)
         outputs = [greedy_generate(loaded.model, ids, args.max_tokens, decode_kernel=kernel) for ids in prompts]
         ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()), kernel)
         if reference is None:
