@@ -8,8 +8,8 @@ import contextlib
 import torch
 from torch import nn
 
-from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
+from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.models.registry import device_and_dtype
 
 
