@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers.direct_call import DirectCall
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(DirectCall, nn.Module):
     """SwiGLU on a fused gate_up projection: [..., 2 * d] -> silu(gate) * up, [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

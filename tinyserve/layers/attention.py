@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers.direct_call import DirectCall
 
 
 @dataclass
@@ -230,7 +231,7 @@ def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMe
     return out
 
 
-class Attention(nn.Module):
+class Attention(DirectCall, nn.Module):
     """Writes this step's K/V into its layer's pool, then attends over the pool. Holds no weights."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.quant import Int8Weight
 
 
-class Embedding(nn.Embedding):
+class Embedding(DirectCall, nn.Embedding):
     kernel_weight: Int8Weight | None = None  # set with a quantized tied head; `weight` is then on meta
 
     def reset_parameters(self) -> None:

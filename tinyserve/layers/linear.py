@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.quant import Int4Weight, Int8Weight, kernel_layout
 
@@ -59,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
+class Linear(DirectCall, nn.Linear):
     """nn.Linear whose weight can be repacked once for a kernel (see pack_linear_weights)."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
@@ -79,7 +80,7 @@ class MergedLinear(Linear):
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
 
 
-class TiedLMHead(nn.Module):
+class TiedLMHead(DirectCall, nn.Module):
     """The LM head of a model with tied embeddings: logits through the input embedding's matrix. The
     matrix stays the embedding's parameter (not registered here, so the loader expects it once)."""
 

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers.direct_call import DirectCall
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     """x / rms(x) * weight, with the statistics in float32 whatever the activation dtype."""
 
     def __init__(self, hidden_size: int, eps: float):
@@ -37,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(DirectCall, nn.Module):
     """Classic LayerNorm with weight and bias (GPT-2)."""
 
     def __init__(self, hidden_size: int, eps: float):

@@ -9,6 +9,7 @@ from torch import nn
 
 from tinyserve.config import RopeScaling
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers.direct_call import DirectCall
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -30,7 +31,7 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(DirectCall, nn.Module):
     """The rotation for a step's positions, computed once per step and applied in every layer. The
     cos/sin table is a plain attribute, not a buffer, so that a model built on the meta device and
     materialized with to_empty() keeps it; it follows positions to their device."""

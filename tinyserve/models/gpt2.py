@@ -13,12 +13,13 @@ from torch import nn
 from tinyserve.config import ModelConfig
 from tinyserve.layers.activation import gelu_tanh
 from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.norm import LayerNorm
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
@@ -35,7 +36,7 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out.reshape(num_tokens, -1))
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.c_fc = Linear(config.hidden_size, config.intermediate_size)
@@ -45,7 +46,7 @@ class GPT2MLP(nn.Module):
         return self.c_proj(gelu_tanh(self.c_fc(x)))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps)
@@ -58,7 +59,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.wte = Embedding(config.vocab_size, config.hidden_size)
@@ -67,7 +68,7 @@ class GPT2Model(nn.Module):
         self.ln_f = LayerNorm(config.hidden_size, config.norm_eps)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(DirectCall, nn.Module):
     packed_modules: dict[str, tuple[str, int]] = {}
     # Hugging Face stores these as Conv1D weights, [in, out]; loader/hf.py transposes them to nn.Linear's
     # [out, in]. (llama.cpp's converter already transposed them in GGUF files.)

@@ -13,13 +13,14 @@ from torch import nn
 from tinyserve.config import ModelConfig
 from tinyserve.layers.activation import SiluAndMul
 from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, MergedLinear, TiedLMHead
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -45,7 +46,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = config.intermediate_size
@@ -57,7 +58,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -79,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
@@ -89,7 +90,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DirectCall, nn.Module):
     # checkpoint projection -> (our merged module, shard index); the loader uses this to fill MergedLinears
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
