@@ -98,9 +98,8 @@ def test_bfloat16_close_to_float32_reference(decode_kernel):
 @pytest.mark.parametrize("block", [8, 16, 48])
 @pytest.mark.parametrize("heads, head_dim", [(9, 64), (6, 128), (24, 32)])
 def test_bfloat16_decode_kernel_at_model_sizes(block, heads, head_dim):
-    """The kernel's bfloat16 scores (16 key rows at a time, bfloat16 dot instructions) at the head sizes
-    of real models: blocks shorter than, equal to and longer than 16 rows, lengths that end mid-block;
-    group of 3 query heads per KV head (SmolLM2), 2, and 8."""
+    """The kernel in bfloat16 at the head sizes of real models (it is compiled per head size): blocks of
+    8, 16 and 48 rows, lengths that end mid-block; 3 query heads per KV head (SmolLM2), 2, and 8."""
     seqs = [(c, 1) for c in (300, 47, 16, 15, 1, 0)]
     cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=block + head_dim, decode_kernel=True, heads=heads,
                                      kv_heads=3, head_dim=head_dim, block=block)

@@ -153,8 +153,10 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
             quantized, dequantized = fmt.quantize(module.weight.detach())
             if int_kernels:
                 module.kernel_weight = quantized
-                owner = module.embedding if isinstance(module, TiedLMHead) else module  # holds the matrix
-                owner.kernel_weight = quantized
+                owner = module  # the module that holds the matrix
+                if isinstance(module, TiedLMHead):  # the embedding's: its lookups read the same codes
+                    owner = module.embedding
+                    owner.kernel_weight = quantized
                 owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
             else:
                 module.weight.data.copy_(dequantized)

@@ -59,7 +59,7 @@ class GPT2Block(DirectCall, nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2Model(DirectCall, nn.Module):
+class GPT2Model(nn.Module):  # a container: never called
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.wte = Embedding(config.vocab_size, config.hidden_size)

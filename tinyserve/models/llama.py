@@ -80,7 +80,7 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(DirectCall, nn.Module):
+class LlamaModel(nn.Module):  # a container: never called
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
