@@ -1,5 +1,6 @@
 """BlockManager at toy sizes (8 blocks of 4 tokens): exact block ids, ref counts and free-list order."""
 
+import hashlib
 import random
 
 import pytest
@@ -182,6 +183,22 @@ def test_hash_seed_separates_models():
     admit(second, make_request("a", tokens))
     assert first._block_hashes[0] != second._block_hashes[0]
     assert set(first._hash_to_block).isdisjoint(second._hash_to_block)
+
+
+def test_cache_salt_separates_tenants_and_none_keeps_the_unsalted_chain(bm):
+    tokens = list(range(9))
+    admit(bm, make_request("a", tokens))
+    # None is the shared cache, hashed exactly as before salts existed: the chain from the seed's root
+    root = hashlib.sha256(b"tinyserve-prefix-cache:toy-model").digest()
+    first = hash_block(root, tokens[:4])
+    assert bm._block_hashes[:2] == [first, hash_block(first, tokens[4:8])]
+    salted = Request("s", tokens, SamplingParams(), cache_salt="tenant-1")
+    assert bm.get_computed_prefix(salted) == 0
+    admit(bm, salted)
+    assert bm.get_computed_prefix(Request("t", tokens, SamplingParams(), cache_salt="tenant-1")) == 8
+    assert bm.get_computed_prefix(Request("u", tokens, SamplingParams(), cache_salt="tenant-2")) == 0
+    assert bm.get_computed_prefix(make_request("v", tokens)) == 8  # the shared entries are still there
+    bm.check_invariants()
 
 
 def test_prefix_caching_disabled_never_hashes():

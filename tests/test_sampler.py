@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from tinyserve.engine.sampler import Sampler, process_logits
-from tinyserve.types import Request, SamplingParams
+from tinyserve.types import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    Request,
+    SamplingParams,
+)
 
 # chi-square critical values at p = 0.001, by degrees of freedom (standard tables)
 CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
@@ -294,3 +301,39 @@ def test_min_tokens_excludes_eos_from_sampling():
     requests = [make_request(params, request_id=str(i), eos_token_ids=frozenset({0})) for i in range(4000)]
     ids = Sampler()(logits, requests).next_token_ids
     assert 0 not in ids and 1 not in ids and len(set(ids)) > 5
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+    ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+])
+def test_caps_and_ranges_name_the_field_first(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_caps_admit_their_limits():
+    params = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                            stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+                            logit_bias={str(i): -1 for i in range(MAX_LOGIT_BIAS)})
+    assert params.stop_token_id_set == frozenset(range(MAX_STOP_TOKEN_IDS))
+    assert params.logit_bias_ids == tuple(range(MAX_LOGIT_BIAS)) and set(params.logit_bias_values) == {-1.0}
+
+
+def test_stop_ids_outside_the_vocab_mask_nothing():
+    """Validation refuses them; one that got past it (a bug upstream) must not fail the batch."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=(7,))
+    object.__setattr__(params, "stop_token_id_set", frozenset({7, -1_000_000_000, 50, 10**12}))
+    requests = [make_request(params, request_id="a"), make_request(SamplingParams(temperature=0.0), request_id="b")]
+    expected = logits.clone()
+    expected[0, 7] = float("-inf")
+    torch.testing.assert_close(process_logits(logits, requests), expected)
+    assert Sampler()(logits, requests).next_token_ids == expected.argmax(dim=-1).tolist()

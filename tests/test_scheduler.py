@@ -2,6 +2,7 @@
 a wrong block table, prefix hit or fork changes the generated tokens."""
 
 import random
+import time
 
 import pytest
 
@@ -389,3 +390,73 @@ def test_randomized_run_keeps_invariants():
     assert len(completed) > 100
     for request_id in completed:
         assert request_id in finished and requests[request_id].output_token_ids == expected[request_id]
+
+
+def test_waiting_queue_at_scale_keeps_order_without_linear_work():
+    """20,000 waiting requests added, half aborted, some paused and resumed: admission order is still
+    (priority, arrival, add order), and no operation scans the queue (the deadline catches O(n) each)."""
+    rng = random.Random(3)
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
+    deadline = time.monotonic() + 10.0
+    keys, params = {}, SamplingParams(max_tokens=1)
+    for i in range(20_000):
+        # many arrival ties: add order decides
+        request = Request(f"r{i}", prompt_of(3), params, arrival_time=float(rng.randint(0, 500)),
+                          priority=rng.randint(0, 3))
+        scheduler.add_request(request)
+        keys[request.request_id] = (request.priority, request.arrival_time, i)
+        assert i % 1000 or time.monotonic() < deadline, f"adding slowed down at {i} waiting"
+    for n, request_id in enumerate(rng.sample(sorted(keys), 10_000)):
+        assert scheduler.abort(request_id)
+        del keys[request_id]
+        assert n % 1000 or time.monotonic() < deadline, f"aborting slowed down after {n}"
+    paused = rng.sample(sorted(keys), 2_000)
+    for request_id in paused:
+        scheduler.set_paused(request_id, True)
+    assert scheduler.num_waiting == 10_000
+    for request_id in paused[:1_000]:
+        scheduler.set_paused(request_id, False)
+    still_paused = set(paused[1_000:])
+    assert time.monotonic() < deadline
+    expected = sorted(keys, key=keys.get)
+    assert [r.request_id for r in scheduler.waiting] == expected
+    admitted = [r.request_id for r, _ in scheduler.schedule().scheduled]
+    assert admitted == [i for i in expected if i not in still_paused][:8]
+
+
+def test_paused_waiting_request_blocks_nobody_and_resumes_in_its_place():
+    scheduler = make_scheduler(max_num_seqs=1)
+    a, b, c = (make_request(i, prompt_of(3, 10 * n), max_tokens=2) for n, i in enumerate("abc"))
+    add(scheduler, a, b, c)
+    scheduler.set_paused("a", True)
+    runner = FakeRunner(scheduler)
+    output, _ = runner.step()
+    assert [r.request_id for r, _ in output.scheduled] == ["b"] and scheduler.num_waiting == 2
+    scheduler.set_paused("a", False)
+    order = [o.scheduled[0][0].request_id for o in runner.run()]
+    assert order == ["b", "a", "a", "c", "c"]
+    assert a.output_token_ids == reference(prompt_of(3, 0), 2)
+    scheduler.set_paused("gone", True)  # unknown id: no-op
+    assert_all_free(scheduler)
+
+
+def test_paused_running_request_is_preempted_and_recomputes_when_resumed():
+    scheduler = make_scheduler(num_blocks=6, prefix_caching=False, max_num_seqs=1)
+    a = make_request("a", prompt_of(8, 0), max_tokens=12)
+    b = make_request("b", prompt_of(8, 30), max_tokens=12)
+    add(scheduler, a, b)
+    runner = FakeRunner(scheduler)
+    runner.step()
+    assert [r.request_id for r in scheduler.running] == ["a"]
+    scheduler.set_paused("a", True)  # its seat (max_num_seqs=1) and blocks go to b at once
+    assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 0 and scheduler.is_paused("a")
+    assert scheduler.block_manager.block_table("a") == [] and a.num_output_tokens == 1
+    while not b.is_finished:
+        output, _ = runner.step()
+        assert [r.request_id for r, _ in output.scheduled] == ["b"]  # paused: a is not re-admitted
+    assert b.output_token_ids == reference(prompt_of(8, 30), 12)
+    assert scheduler.num_waiting == 1 and runner.step()[0].is_empty
+    scheduler.set_paused("a", False)
+    runner.run()
+    assert a.output_token_ids == reference(prompt_of(8, 0), 12)
+    assert_all_free(scheduler)

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+# Per-request caps: the engine thread does work in proportion to each of these on every token
+# (stop-string matching, the stop-id set, the logit_bias scatter), so one body must not choose them.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
 
 
 class FinishReason(str, enum.Enum):
@@ -54,12 +61,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob and the top k
     skip_special_tokens: bool = True
+    # derived once here, so that per-token work is a set lookup and a list extend
+    stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    logit_bias_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    logit_bias_values: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_stops()
+        self._check_logit_bias()
         if not 1 <= self.n <= 128:
             raise ValueError(f"n must be in [1, 128], got {self.n}")
         _check_range("temperature", self.temperature, 0.0, 2.0)
@@ -70,20 +79,54 @@ class SamplingParams:
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        for token_id, bias in (self.logit_bias or {}).items():
-            if int(token_id) < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
-            _check_range("logit_bias", float(bias), -100.0, 100.0)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    def _check_stops(self) -> None:
+        """Normalizes stop and stop_token_ids to tuples; counts are checked before any per-entry work."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if max(map(len, stop), default=0) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        try:
+            ids = tuple(operator.index(t) for t in ids)
+        except TypeError:
+            raise ValueError("stop_token_ids must be integers") from None
+        if any(t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {min(ids)}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "stop_token_id_set", frozenset(ids))
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        ids, values = [], []
+        for key, value in bias.items():
+            try:
+                token_id, value = int(key), float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map integer token ids to numbers, got {key!r}") from None
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
+            _check_range("logit_bias", value, -100.0, 100.0)
+            ids.append(token_id)
+            values.append(value)
+        object.__setattr__(self, "logit_bias_ids", tuple(ids))
+        object.__setattr__(self, "logit_bias_values", tuple(values))
 
     @property
     def is_greedy(self) -> bool:
@@ -108,6 +151,9 @@ class Request:
     parent_id: str | None = None  # for index > 0: the sibling (index 0) whose prompt blocks it shares
     eos_token_ids: frozenset[int] = frozenset()
     max_total_tokens: int | None = None  # prompt + output may not exceed this (the model's context)
+    # prefix-cache namespace: blocks are shared only between requests with the same salt (None: the
+    # shared cache); n > 1 samples carry their parent's salt
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

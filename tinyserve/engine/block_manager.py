@@ -53,7 +53,9 @@ class BlockManager:
     Hash ownership: a block gets its hash in `cache_full_blocks(request)`, which the scheduler calls
     after each step, once all of the block's slots hold computed tokens. The hash is dropped only when
     the block is evicted, i.e. popped from the free list for fresh use. With prefix caching disabled
-    no block ever gets a hash. `hash_seed` names the model, so two models' caches never match.
+    no block ever gets a hash. `hash_seed` names the model, so two models' caches never match; a
+    request's `cache_salt` enters the parent hash of its first block, so requests with different salts
+    never share a block through the cache (None: the shared cache, hashed as without salts).
 
     Who frees: whoever owns the request (the scheduler) calls `free(request)` when it finishes, is
     aborted or is preempted; the block manager never frees on its own.
@@ -216,9 +218,16 @@ class BlockManager:
         token_ids = request.all_token_ids if len(hashes) < num_blocks else []
         while len(hashes) < num_blocks:
             start = len(hashes) * self.block_size
-            parent = hashes[-1] if hashes else self._root_hash
+            parent = hashes[-1] if hashes else self._first_parent_hash(request.cache_salt)
             hashes.append(hash_block(parent, token_ids[start : start + self.block_size]))
         return hashes
+
+    def _first_parent_hash(self, cache_salt: str | None) -> bytes:
+        if cache_salt is None:
+            return self._root_hash
+        # a digest, never token bytes: no salt and token sequence can produce the same chain
+        salt = cache_salt.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(self._root_hash + b"cache_salt:" + salt).digest()
 
     def _count_prefix_query(self, request: Request, num_hit_blocks: int) -> None:
         stats = self.prefix_stats

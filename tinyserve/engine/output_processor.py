@@ -45,6 +45,11 @@ class OutputProcessor:
         text = detok.flush() if detok is not None and detok.stop_hit is None else ""
         return self._output(request, text, [], reason, None, error)
 
+    def finished_without_text(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """Final output that never touches the request's detokenizer (it may be what failed): held text is dropped."""
+        self._detokenizers.pop(request.request_id, None)
+        return self._output(request, "", [], reason, None, error)
+
     def _output(self, request: Request, text: str, ids: list[int], reason: FinishReason | None,
                 logprobs: list[TokenLogprob] | None, error: str | None = None) -> RequestOutput:
         usage = metrics = None

@@ -163,34 +163,36 @@ def _has_presence_frequency(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _min_tokens_blocked_ids(request: Request) -> set[int]:
+def _min_tokens_blocked_ids(request: Request) -> frozenset[int]:
     """Ids masked while the request is under min_tokens: its stop token ids, and EOS unless ignore_eos."""
     p = request.sampling_params
     if request.num_output_tokens >= p.min_tokens:
-        return set()
-    return set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
+        return frozenset()
+    return p.stop_token_id_set if p.ignore_eos else p.stop_token_id_set | request.eos_token_ids
 
 
 def _is_plain_greedy(request: Request) -> bool:
     p = request.sampling_params
-    return (p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0
+    return (p.is_greedy and not p.logit_bias_ids and p.repetition_penalty == 1.0
             and not _has_presence_frequency(p) and not _min_tokens_blocked_ids(request))
 
 
 def _apply_sparse_updates(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Adds logit_bias, and -inf on ids blocked by min_tokens, in one index_put (out of place).
+    """Adds logit_bias, and -inf on ids blocked by min_tokens, in one index_put (out of place). Each
+    request's bias ids and values were made tuples once (SamplingParams), so a row costs list extends.
     NOTE: -inf absorbs the penalties applied next, so masking here equals masking after them."""
     vocab_size = logits.shape[1]
     rows, cols, values = [], [], []
     for i, request in enumerate(requests):
-        for token_id, bias in (request.sampling_params.logit_bias or {}).items():
-            # validate_request rejects ids outside the vocab; one here is a bug upstream
-            assert 0 <= int(token_id) < vocab_size, f"logit_bias id {token_id} outside vocab {vocab_size}"
-            rows.append(i)
-            cols.append(int(token_id))
-            values.append(float(bias))
-        # a stop id outside the vocab can never be sampled: nothing to mask
-        blocked = [t for t in _min_tokens_blocked_ids(request) if t < vocab_size]
+        p = request.sampling_params
+        if p.logit_bias_ids:
+            if max(p.logit_bias_ids) >= vocab_size:  # LLMEngine.validate refuses these: a bug upstream
+                raise ValueError(f"logit_bias ids of {request.request_id} reach beyond vocab {vocab_size}")
+            rows += [i] * len(p.logit_bias_ids)
+            cols += p.logit_bias_ids
+            values += p.logit_bias_values
+        # a stop id outside the logits' vocab can never be sampled: nothing to mask
+        blocked = [t for t in _min_tokens_blocked_ids(request) if 0 <= t < vocab_size]
         rows += [i] * len(blocked)
         cols += blocked
         values += [_NEG_INF] * len(blocked)

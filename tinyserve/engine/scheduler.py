@@ -10,11 +10,13 @@ Each step: running requests first (decodes, then the next chunks of prompts alre
 prompt never stalls running streams; a running request that cannot get a block preempts the
 lowest-priority, newest running request; then, if nothing was preempted, waiting requests are admitted
 in priority order (lower first, FCFS among equals) while the budget, the cap and free blocks allow.
+A paused request (its client reads slowly) holds nothing: running, it is preempted; waiting, it leaves
+the queue until resumed, so it blocks nobody behind it.
 """
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import itertools
 import logging
 import time
@@ -25,21 +27,74 @@ from tinyserve.types import FinishReason, Request, RequestStatus, SchedulerOutpu
 
 logger = logging.getLogger(__name__)
 
+OrderKey = tuple[int, float, int]  # (priority, arrival_time, add order): lower runs first
+
+
+class WaitingQueue:
+    """Waiting requests by OrderKey: a heap with lazy deletion, so push, remove and pop stay O(log n)
+    however long the queue grows.
+
+    Invariant: an entry is live iff `_entries[request_id] is entry`. remove() only forgets the entry; the
+    stale copy is dropped when it reaches the top, or when stale copies outnumber live ones (a rebuild,
+    amortized O(1) per removal).
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[OrderKey, Request]] = []  # the unique add order means Requests never compare
+        self._entries: dict[str, tuple[OrderKey, Request]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, request: Request, key: OrderKey) -> None:
+        assert request.request_id not in self._entries, f"{request.request_id} queued twice"
+        entry = (key, request)
+        self._entries[request.request_id] = entry
+        heapq.heappush(self._heap, entry)
+
+    def remove(self, request_id: str) -> bool:
+        if self._entries.pop(request_id, None) is None:
+            return False
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = list(self._entries.values())
+            heapq.heapify(self._heap)
+        return True
+
+    def peek(self) -> Request | None:
+        """The first request in order, or None when empty."""
+        while self._heap and self._entries.get(self._heap[0][1].request_id) is not self._heap[0]:
+            heapq.heappop(self._heap)
+        return self._heap[0][1] if self._heap else None
+
+    def pop(self) -> Request:
+        request = self.peek()
+        assert request is not None, "pop from an empty waiting queue"
+        heapq.heappop(self._heap)
+        del self._entries[request.request_id]
+        return request
+
+    def ordered(self) -> list[Request]:
+        """Every queued request in order: O(n log n), for tests and debugging."""
+        return [request for _, request in sorted(self._entries.values())]
+
 
 class Scheduler:
     """Owns every unfinished request and decides each step; the only caller of BlockManager.free.
 
     Invariants: a request is in exactly one of `waiting` (holds no blocks) and `running` (holds blocks)
     until it finishes, when its blocks are freed at once and it is forgotten; a request appears at most
-    once in a step; `waiting` stays sorted by (priority, arrival order).
+    once in a step. A waiting request is in `_queue` (by _order_key) unless it is paused, then in
+    `_paused_waiting`; a running request that is paused is preempted into `_paused_waiting`.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager):
         self.config = scheduler_config
         self.block_manager = block_manager
         self.requests: dict[str, Request] = {}  # unfinished requests, by id
-        self.waiting: list[Request] = []  # sorted by _order_key
-        self.running: list[Request] = []  # in admission order
+        self.running: list[Request] = []  # in admission order, at most max_num_seqs
+        self._queue = WaitingQueue()
+        self._paused: set[str] = set()  # paused requests, running or waiting
+        self._paused_waiting: dict[str, Request] = {}  # paused and waiting: out of the queue
         self.num_preemptions = 0
         self._arrival_seq: dict[str, int] = {}  # breaks arrival_time ties in add order
         self._counter = itertools.count()
@@ -52,7 +107,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._queue) + len(self._paused_waiting)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Every waiting request (paused ones included) in admission order; O(n log n), for tests."""
+        return sorted([*self._queue.ordered(), *self._paused_waiting.values()], key=self._order_key)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -70,7 +130,29 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._arrival_seq[request.request_id] = next(self._counter)
-        bisect.insort(self.waiting, request, key=self._order_key)
+        self._enqueue(request)
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """A paused request is not scheduled until resumed: a running one is preempted (its reader has
+        fallen behind, so its seat and blocks go to others; it recomputes when resumed), a waiting one
+        is set aside and not admitted. Call between steps. Unknown id: no-op."""
+        request = self.requests.get(request_id)
+        if request is None or paused == (request_id in self._paused):
+            return
+        if paused:
+            self._paused.add(request_id)
+            if request.status is RequestStatus.RUNNING:
+                # an outgrown request (it cannot be: it holds its blocks) would land in _finished_ids
+                self._preempt(request, SchedulerOutput(scheduled=[], finished_ids=self._finished_ids))
+            elif self._queue.remove(request_id):
+                self._paused_waiting[request_id] = request
+        else:
+            self._paused.discard(request_id)
+            if self._paused_waiting.pop(request_id, None) is not None:
+                self._enqueue(request)
+
+    def is_paused(self, request_id: str) -> bool:
+        return request_id in self._paused
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request and free its blocks now. False if it is not in flight."""
@@ -98,34 +180,50 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply one executed step. `sampled` maps request id -> token for the requests whose chunk reached
-        their last known token. Returns the requests that got a token or finished, in step order."""
+        their last known token. Returns the requests that got a token or finished, in step order.
+
+        A request whose update raises (other than a broken invariant) is finished with ERROR alone and
+        returned, its traceback logged; the caller gives it its final output."""
         changed, self._outgrown = self._outgrown, []
         now = time.monotonic()
         for request, num_new in scheduler_output.scheduled:
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_new
-            assert request.num_computed_tokens <= request.num_tokens
-            is_sampled = request.num_computed_tokens == request.num_tokens
-            if is_sampled:
-                assert request.request_id in sampled, f"no sampled token for {request.request_id}"
-                request.output_token_ids.append(sampled[request.request_id])
-                if request.first_token_time is None:
-                    request.first_token_time = now
-            self.block_manager.cache_full_blocks(request)
-            if is_sampled:
-                reason = self._stop_reason(request)
-                if reason is not None:
-                    self._finish(request, reason)
+            try:
+                is_changed = self._apply(request, num_new, sampled, now)
+            except AssertionError:
+                raise
+            except Exception:
+                logger.exception("request %s failed while its step was applied", request.request_id)
+                self._finish(request, FinishReason.ERROR)
+                is_changed = True
+            if is_changed:
                 changed.append(request)
         return changed
+
+    def _apply(self, request: Request, num_new: int, sampled: dict[str, int], now: float) -> bool:
+        """One request's part of update_from_output; True if it got a token."""
+        request.num_computed_tokens += num_new
+        assert request.num_computed_tokens <= request.num_tokens
+        is_sampled = request.num_computed_tokens == request.num_tokens
+        if is_sampled:
+            assert request.request_id in sampled, f"no sampled token for {request.request_id}"
+            request.output_token_ids.append(sampled[request.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
+        self.block_manager.cache_full_blocks(request)
+        if is_sampled:
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self._finish(request, reason)
+        return is_sampled
 
     def _schedule_running(self, output: SchedulerOutput) -> None:
         # decodes (one token left to compute) before prompt chunks: sorted() is stable, so admission order
         # holds within each group
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             budget = self._token_budget(output)
             if budget == 0:
                 break
@@ -165,22 +263,26 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=self._order_key)
+        self._enqueue(request)
         output.preempted_ids.append(request.request_id)
         logger.debug("preempted %s (%d tokens, freed %d blocks)", request.request_id, request.num_tokens, num_blocks)
 
     def _admit_waiting(self, output: SchedulerOutput) -> None:
-        for request in list(self.waiting):
+        # n > 1 samples waiting for their parent's prompt are popped and pushed back: at most
+        # n - 1 per running parent, so a step's work does not grow with the queue
+        gated: list[Request] = []
+        while (request := self._queue.peek()) is not None:
             budget = self._token_budget(output)
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             must_wait, fork_source = self._parent_gate(request)
             if must_wait:  # not a resource stall: requests behind it may still go
+                gated.append(self._queue.pop())
                 continue
             num_new = self._allocate_for_admission(request, budget, fork_source)
             if num_new is None:  # no preemption for admissions; FCFS: nobody overtakes the head
                 break
-            self.waiting.remove(request)
+            self._queue.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -191,6 +293,8 @@ class Scheduler:
                 request.num_computed_tokens, len(self.block_manager.block_table(request.request_id)),
                 self.block_manager.num_free_blocks,
             )
+        for request in gated:
+            self._enqueue(request)
 
     def _allocate_for_admission(self, request: Request, budget: int, fork_source: Request | None) -> int | None:
         """Start the request's blocks from a fork of its parent or from the prefix cache, then allocate
@@ -236,7 +340,7 @@ class Scheduler:
         if request.num_output_tokens - 1 >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return FinishReason.STOP
-            if token_id in params.stop_token_ids:
+            if token_id in params.stop_token_id_set:
                 return FinishReason.STOP
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
@@ -246,7 +350,12 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)  # O(max_num_seqs)
+        elif self._paused_waiting.pop(request.request_id, None) is None:
+            is_queued = self._queue.remove(request.request_id)
+            assert is_queued, f"waiting request {request.request_id} is in no queue"
+        self._paused.discard(request.request_id)
         num_blocks = len(self.block_manager.block_table(request.request_id))
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
@@ -259,7 +368,14 @@ class Scheduler:
             request.num_output_tokens, num_blocks, self.block_manager.num_free_blocks,
         )
 
-    def _order_key(self, request: Request) -> tuple[int, float, int]:
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue, or aside while paused."""
+        if request.request_id in self._paused:
+            self._paused_waiting[request.request_id] = request
+        else:
+            self._queue.push(request, self._order_key(request))
+
+    def _order_key(self, request: Request) -> OrderKey:
         """Lower runs first: priority, then arrival (FCFS). Preemption picks the max."""
         return request.priority, request.arrival_time, self._arrival_seq[request.request_id]
 

@@ -18,3 +18,4 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found
     num_steps: int
+    num_failed_requests: int = 0  # finished with FinishReason.ERROR since start-up
