@@ -125,3 +125,77 @@ def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
     # each group is padded to its own longest sequence (96 and 56 tokens), not to the step's longest
     assert meta.decode_groups[0].bias.shape == (20, 1, 96)
     assert meta.decode_groups[1].bias.shape == (20, 1, 56)
+
+
+def _kernel_inputs(with_meta=False):
+    """Valid inputs for the C++ decode kernel, called directly (no metadata checks in front of it)."""
+    seqs = [(9, 1), (4, 1), (0, 1)]  # 10, 5 and 1 tokens: 3, 2 and 1 blocks of 4
+    cache, meta, q, *_ = _build(seqs, torch.float32, decode_kernel=True)
+    inputs = q, cache, meta.block_tables.clone(), meta.seq_lens.clone()
+    return (*inputs, meta) if with_meta else inputs
+
+
+def _decode(q, cache, tables, seq_lens):
+    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, tables, seq_lens, HEAD_DIM**-0.5)
+
+
+def test_decode_kernel_accepts_the_valid_inputs():
+    q, cache, tables, seq_lens, meta = _kernel_inputs(with_meta=True)
+    torch.testing.assert_close(_decode(q, cache, tables, seq_lens),
+                               reference_paged_attention(q, cache, meta, HEAD_DIM**-0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq, entry, block_id", [(0, 2, "num_blocks"), (1, 1, -1), (0, 0, 1 << 40)],
+                         ids=["one-past-the-pool", "negative", "far-away"])
+def test_decode_kernel_refuses_a_block_id_outside_the_pool(seq, entry, block_id):
+    q, cache, tables, seq_lens = _kernel_inputs()
+    tables[seq, entry] = cache.key.shape[1] if block_id == "num_blocks" else block_id
+    with pytest.raises(RuntimeError, match=rf"block_tables\[{seq}\]\[{entry}\] = .* outside the pool"):
+        _decode(q, cache, tables, seq_lens)
+
+
+@pytest.mark.parametrize("seq_len", [0, -3, "past-the-table"])
+def test_decode_kernel_refuses_a_length_outside_its_table(seq_len):
+    q, cache, tables, seq_lens = _kernel_inputs()
+    seq_lens[1] = tables.shape[1] * BLOCK + 1 if seq_len == "past-the-table" else seq_len
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = .* is outside \[1, "):
+        _decode(q, cache, tables, seq_lens)
+
+
+def test_decode_kernel_refuses_zero_sizes_it_would_divide_by():
+    """A pool with 0 kv heads or 0-token blocks: the kernel divides by both (a crash, not an error)."""
+    q, cache, tables, seq_lens = _kernel_inputs()
+    no_heads = torch.empty(0, *cache.key.shape[1:])
+    no_rows = torch.empty(cache.key.shape[0], cache.key.shape[1], 0, HEAD_DIM)
+    for pool in (no_heads, no_rows):
+        with pytest.raises(RuntimeError, match="must be >= 1"):
+            cpu_kernels.paged_decode_attention(q, pool, pool, tables, seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="ranks"):
+        _decode(q, cache, tables[0], seq_lens)  # a 1-d table
+
+
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("fault", [None, "block id past the pool", "negative block id", "length past the table",
+                                   "slot past the pool"])
+def test_metadata_refuses_tables_outside_the_pool(decode_kernel, fault):
+    """Checked on the host once per step, before any layer indexes the pool with them (on CUDA an index
+    out of range is a device-side assert that ends the process)."""
+    block_tables, seq_lens, slots = [[3, 0], [1]], [6, 1], [5, 4]
+    if fault == "block id past the pool":
+        block_tables[0][1] = 4
+    elif fault == "negative block id":
+        block_tables[1][0] = -1
+    elif fault == "length past the table":
+        seq_lens[1] = BLOCK + 1
+    elif fault == "slot past the pool":
+        slots[0] = 4 * BLOCK
+
+    def build():
+        return AttentionMetadata.build(slots, block_tables, seq_lens, [1, 1], BLOCK, KV_HEADS, 4,
+                                       torch.device("cpu"), decode_kernel)
+
+    if fault is None:
+        assert build().num_decodes == 2
+        return
+    with pytest.raises(RuntimeError, match="scheduler bug"):
+        build()

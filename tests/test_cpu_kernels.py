@@ -87,3 +87,43 @@ def test_layers_agree_on_both_paths(monkeypatch, use_kernels):
     q = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
     cos, sin = RotaryEmbedding(64, 128, 10000.0)(torch.arange(5), torch.bfloat16)
     assert torch.equal(apply_rotary(q, cos, sin), q * cos + q.roll(32, dims=-1) * sin)
+
+
+def test_zero_widths_raise_instead_of_dividing_by_zero():
+    """A model with hidden_size or intermediate_size 0 gives rows of width 0: the kernels divide the
+    element count by the width (an integer division by zero kills the process)."""
+    with pytest.raises(RuntimeError, match="last dim of x must be >= 1"):
+        cpu_kernels.rms_norm(torch.randn(3, 0), torch.randn(0), 1e-5)
+    with pytest.raises(RuntimeError, match="last dim of x must be >= 1"):
+        cpu_kernels.add_rms_norm(torch.randn(3, 0), torch.randn(3, 0), torch.randn(0), 1e-5)
+    with pytest.raises(RuntimeError, match="last dim of x must be >= 1"):
+        cpu_kernels.silu_and_mul(torch.randn(3, 0))
+    with pytest.raises(RuntimeError, match="even head_dim"):
+        cpu_kernels.rotary(torch.randn(3, 2, 0), torch.randn(3, 1, 0), torch.randn(3, 1, 0))
+
+
+def test_weights_read_by_pointer_must_be_contiguous():
+    """An expanded (stride 0) weight has the right numel but one element of storage: read by pointer, the
+    kernel would run past it."""
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="bad weight"):
+        cpu_kernels.rms_norm(x, torch.ones(1).expand(8), 1e-5)
+    with pytest.raises(RuntimeError, match="bad weight"):
+        cpu_kernels.add_rms_norm(x, x.clone(), torch.ones(16)[::2], 1e-5)
+
+
+def test_matmuls_refuse_sizes_their_row_blocks_cannot_cover():
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    weight = torch.zeros(1, 32 * 16, dtype=torch.bfloat16)  # one block of 16 rows
+    assert cpu_kernels.bf16_matmul(x, weight, 16).shape == (2, 16)
+    for out_features in (0, -16):
+        with pytest.raises(RuntimeError, match="out_features must be >= 1"):
+            cpu_kernels.bf16_matmul(x, weight, out_features)
+    with pytest.raises(RuntimeError, match="weight 2-d"):
+        cpu_kernels.bf16_matmul(x, weight.view(-1), 16)
+    codes, scales = torch.zeros(1, 4 * 64, dtype=torch.uint8), torch.zeros(1, 16, dtype=torch.float16)
+    assert cpu_kernels.int4_matmul(x, codes, scales, scales.clone(), 16).shape == (2, 16)
+    with pytest.raises(RuntimeError, match="out_features must be >= 1"):
+        cpu_kernels.int4_matmul(x, codes, scales, scales.clone(), 0)
+    with pytest.raises(RuntimeError, match="2-d"):
+        cpu_kernels.int8_matmul(x, codes.view(-1), scales, 16)

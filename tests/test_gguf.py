@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader import model_loader
 from tinyserve.loader.model_loader import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +52,8 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _write(path, model, qtype=Q.F32, arch="llama", drop=()):
+def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None):
+    """model as llama.cpp's converter writes it; edit(writer) may then overwrite metadata (forged files)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -63,6 +65,8 @@ def _write(path, model, qtype=Q.F32, arch="llama", drop=()):
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if edit is not None:
+        edit(writer)
     for name, tensor in model.state_dict().items():
         w = tensor.float().numpy()
         if ".q_proj." in name:
@@ -166,3 +170,33 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "bad.gguf" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda w: w.add_head_count(0), "num_attention_heads must be in"),  # was a ZeroDivisionError
+    (lambda w: w.add_head_count([4, 4]), "llama.attention.head_count must be a number"),  # per-layer counts
+    (lambda w: w.add_block_count(10**6), "num_hidden_layers must be in"),
+    (lambda w: w.add_vocab_size(1 << 30), "vocab_size must be in"),
+    (lambda w: w.add_layer_norm_rms_eps(0.0), "norm_eps must be > 0"),
+    (lambda w: w.add_uint32("llama.attention.key_length", 33), "head_dim must be even"),
+])
+def test_absurd_metadata_is_refused_naming_the_field(tmp_path, tiny_llama, edit, message):
+    path = _write(tmp_path / "forged.gguf", tiny_llama, edit=edit)
+    with pytest.raises(ModelLoadError, match=message):
+        gguf_model_config(open_gguf(path))
+
+
+def test_metadata_that_does_not_describe_the_tensors_is_refused_before_allocation(tmp_path, tiny_llama, monkeypatch):
+    """Within every bound, but 2**16-wide layers beside a file of 128-wide ones: refused from the tensors'
+    headers, before the model's memory is allocated."""
+    def fail(*_):
+        raise AssertionError("the model was allocated before the file was checked")
+
+    monkeypatch.setattr(model_loader, "_materialize", fail)
+    def forge(writer):
+        writer.add_embedding_length(1 << 16)
+        writer.add_key_length(32)  # the file's own head size, so that only the width is wrong
+
+    path = _write(tmp_path / "forged.gguf", tiny_llama, edit=forge)
+    with pytest.raises(ModelLoadError, match=r"has shape \(256, 128\), expected \(256, 65536\)"):
+        _load(path)

@@ -24,8 +24,17 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ("linear", "llama3"):
             raise ValueError(f"rope_scaling.rope_type must be 'linear' or 'llama3', got {self.rope_type!r}")
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if not 0 < self.factor < float("inf"):  # also false for NaN
+            raise ValueError(f"rope_scaling.factor must be > 0 and finite, got {self.factor}")
+        if self.rope_type != "llama3":
+            return
+        # rope_inv_freq divides by low_freq_factor and by high_freq_factor - low_freq_factor
+        if not 0 < self.low_freq_factor < self.high_freq_factor < float("inf"):
+            raise ValueError(f"rope_scaling.low_freq_factor and high_freq_factor must satisfy 0 < low < high "
+                             f"(finite), got {self.low_freq_factor} and {self.high_freq_factor}")
+        if not isinstance(self.original_max_position_embeddings, int) or self.original_max_position_embeddings < 1:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings must be an integer >= 1, "
+                             f"got {self.original_max_position_embeddings!r}")
 
 
 @dataclass(frozen=True)
@@ -55,14 +64,67 @@ class ModelConfig:
     # at it; within the window, full attention is exact. None: no window.
     sliding_window: int | None = None
 
+    # Upper bounds on the sizes, each well above every released model's value (the largest known in
+    # brackets), so that a config past one is corrupt or hostile. Checked here, before a model is built
+    # from the config, so that no kernel divides by a zero size and no layer asks for absurd memory.
+    MAX_SIZES = {
+        "vocab_size": 1 << 24,  # the sampler's float32 token ids are exact up to 2**24 (Gemma 3: 262,144)
+        "hidden_size": 1 << 16,  # (Llama 3.1 405B: 16,384)
+        "num_hidden_layers": 1024,  # (405B: 126)
+        "num_attention_heads": 1024,  # (405B: 128)
+        "num_key_value_heads": 1024,
+        "intermediate_size": 1 << 20,  # (405B: 53,248)
+        "head_dim": 1024,  # (Gemma: 256); 0 means hidden_size / num_attention_heads
+        "max_position_embeddings": 1 << 24,  # (Llama 4 Scout: 10M)
+    }
+    # Rotary families build cos/sin tables of max_position_embeddings x head_dim float32 entries when the
+    # model is constructed, before a weight is read (layers/rotary.py): at most 2**28 entries, a few GiB
+    # (Qwen2.5-1M: 1,010,000 x 128, 1.3e8).
+    MAX_ROTARY_TABLE = 1 << 28
+
     def __post_init__(self) -> None:
+        self._check_sizes()
         if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                                 f"({self.num_attention_heads}) when head_dim is not given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+            if self.head_dim > self.MAX_SIZES["head_dim"]:
+                raise ValueError(f"head_dim (hidden_size / num_attention_heads = {self.head_dim}) must be <= "
+                                 f"{self.MAX_SIZES['head_dim']}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        self._check_head_layout()
+        for name in ("norm_eps", "rope_theta"):  # eps: 1 / sqrt(mean + eps); theta: the rotary base
+            if not 0 < getattr(self, name) < float("inf"):  # also false for NaN
+                raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 (or unset), got {self.sliding_window!r}")
+
+    def _check_sizes(self) -> None:
+        for name, limit in self.MAX_SIZES.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if not (1 <= value <= limit or (name == "head_dim" and value == 0)):
+                derived = " (or 0: hidden_size / num_attention_heads)" if name == "head_dim" else ""
+                raise ValueError(f"{name} must be in [1, {limit}]{derived}, got {value}")
+
+    def _check_head_layout(self) -> None:
+        """What the families' layers assume of head_dim (given, or derived above)."""
+        if self.architecture == "gpt2":  # c_attn's 3 * hidden_size outputs are split into heads
+            if self.head_dim * self.num_attention_heads != self.hidden_size:
+                raise ValueError(f"head_dim ({self.head_dim}) x num_attention_heads ({self.num_attention_heads}) "
+                                 f"must equal hidden_size ({self.hidden_size}) for gpt2")
+            return
+        if self.head_dim % 2:  # rotary turns pairs of dims
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.max_position_embeddings * self.head_dim > self.MAX_ROTARY_TABLE:
+            raise ValueError(f"max_position_embeddings ({self.max_position_embeddings}) x head_dim "
+                             f"({self.head_dim}) must be <= {self.MAX_ROTARY_TABLE} (the rotary tables)")
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
@@ -129,21 +191,34 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = ()  # () : the engine's model string
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on the API routes when set
-    max_queue: int | None = 256  # waiting (unscheduled) samples; beyond it new requests get 503 at once
+    # waiting (unscheduled) samples; beyond it new requests get 503 at once, and a request of more samples
+    # (prompts x n) than this gets 400
+    max_queue: int | None = 256
     request_timeout: float | None = None  # seconds from arrival; then the request is aborted
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM / SIGINT
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     allowed_origins: tuple[str, ...] = ()  # CORS: off unless origins are given ("*" for any)
     stall_timeout: float = 60.0  # /health is 503 when work is pending and no step finished for this long
     warmup: bool = True  # one short generation before reporting ready
+    # Request-size caps (a 400 beyond them): prompts in one completion body, messages in one chat body.
+    max_prompts_per_request: int = 64
+    max_messages: int = 1024
+    # Special-token text in chat messages (e.g. "<|im_start|>") is encoded as plain text so a user
+    # cannot forge a turn; True renders it as control tokens, for trusted clients only.
+    allow_special_tokens_in_messages: bool = False
+    # Connection limits, so slow or idle peers cannot hold the server's memory or sockets:
+    stream_write_timeout: float = 30.0  # a stream whose client reads nothing for this long is aborted
+    body_read_timeout: float = 30.0  # seconds from a request's start to its last body byte; then 408
+    max_connections: int = 2048  # concurrent connections (uvicorn limit_concurrency); beyond it 503
+    keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this many seconds
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
-        if self.max_queue is not None and self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_queue is not None and self.max_queue < 1:  # 0 would refuse every request (400)
+            raise ValueError(f"max_queue must be >= 1 (or unset: no limit), got {self.max_queue}")
         for name in ("request_timeout", "stall_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -152,3 +227,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in ("max_prompts_per_request", "max_messages", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("stream_write_timeout", "body_read_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -42,10 +42,13 @@ class AttentionMetadata:
               device: torch.device, decode_kernel: bool = False) -> AttentionMetadata:
         """From host lists, sequences ordered decodes first. One host-to-device copy per tensor."""
         width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64, device=device)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        slots = torch.tensor(slot_mapping, dtype=torch.int64)
+        check_tables(slots, tables, [len(t) for t in block_tables], seq_lens, query_lens, block_size, num_blocks)
+        tables = tables.to(device)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         meta = cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            slot_mapping=slots.to(device),
             block_tables=tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
@@ -58,6 +61,23 @@ class AttentionMetadata:
                                             block_size)
             meta.decode_groups.append(DecodeGroup(start, end, rows, bias))
         return meta
+
+
+def check_tables(slot_mapping: torch.Tensor, block_tables: torch.Tensor, table_lens: list[int], seq_lens: list[int],
+                 query_lens: list[int], block_size: int, num_blocks: int) -> None:
+    """Raise RuntimeError unless every block id and slot lies in the pool and every sequence fits its table
+    (slot_mapping and the padded block_tables as cpu int64 tensors, before they go to the device). The pool
+    is indexed with these: on CPU the C++ kernel checks them too, but on CUDA an index out of range is a
+    device-side assert that ends the process, and a negative block id would silently read another head's
+    block in the torch-op decode path. Once per step, not per layer."""
+    for i, (num_table_blocks, seq_len, query_len) in enumerate(zip(table_lens, seq_lens, query_lens, strict=True)):
+        if not 1 <= query_len <= seq_len <= num_table_blocks * block_size:
+            raise RuntimeError(f"sequence {i}: {query_len} new of {seq_len} tokens do not fit its block table of "
+                               f"{num_table_blocks} blocks of {block_size} (a scheduler bug)")
+    for name, ids, size in (("block_tables", block_tables, num_blocks), ("slot_mapping", slot_mapping,
+                                                                         num_blocks * block_size)):
+        if ids.numel() and not (0 <= ids.min().item() and ids.max().item() < size):  # table padding is block 0
+            raise RuntimeError(f"{name} holds values outside the pool [0, {size}) (a scheduler bug)")
 
 
 @dataclass

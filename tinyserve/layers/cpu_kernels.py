@@ -15,11 +15,14 @@ $TORCH_EXTENSIONS_DIR) in well under a second.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +41,21 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+@contextlib.contextmanager
+def _exclusive_build(name: str) -> Iterator[None]:
+    """One build at a time across processes, and never a wait on a dead one. torch's own build lock is a
+    plain file that a build killed mid-way (Ctrl-C, a timeout) leaves behind, and every later start then
+    waits on it forever; an flock is released when its process dies. Holding ours, no other tinyserve
+    process is building, so a torch lock file still there is stale and is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "tinyserve-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled kernels, or None (logged once) if they cannot be built here."""
@@ -49,7 +67,8 @@ def load() -> ModuleType | None:
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + path
     try:
-        return build(name="tinyserve_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS, verbose=False)
+        with _exclusive_build("tinyserve_cpu_kernels"):
+            return build(name="tinyserve_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         # no compiler, no ninja, a failed build or load: the torch-op path still works
         logger.warning("C++ CPU kernels unavailable, using torch ops (slower): %s", error)

@@ -16,7 +16,7 @@ from gguf import GGUFReader
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.names import gguf_to_hf_name
-from tinyserve.loader.weights import NamedTensor
+from tinyserve.loader.weights import NamedTensor, TensorSource
 
 # GGUF `general.architecture` -> our family key
 _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
@@ -47,41 +47,54 @@ def gguf_architecture(reader: GGUFReader) -> tuple[str, str]:
     return arch, _ARCHITECTURES[arch]
 
 
+def _number(value, key: str, kind: type[int] | type[float]):
+    """A metadata value as int or float; an array or a string (per-layer head counts, a damaged file) is
+    an error that names its key."""
+    if isinstance(value, (bool, str, bytes, list)) or value is None:
+        raise ModelLoadError(f"GGUF metadata: {key} must be a number, got {value!r}")
+    return kind(value)
+
+
 def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+    """The file's hyper-parameters, checked (ModelConfig's bounds) before anything is built from them."""
     arch, family = gguf_architecture(reader)
 
-    def get(key: str, default=None):
+    def get(key: str, kind: type[int] | type[float], default=None):
         value = field(reader, f"{arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
-        return value
+        return _number(value, f"{arch}.{key}", kind)
 
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
     tokens = field(reader, "tokenizer.ggml.tokens")
-    vocab_size = int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    vocab_size = get("vocab_size", int, len(tokens) if tokens else 0)
     if not vocab_size:
         raise ModelLoadError(f"GGUF metadata gives no vocabulary size ({arch}.vocab_size)")
     tensor_names = {t.name for t in reader.tensors}
     norm_eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
-    return ModelConfig(
-        architecture=family,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-        intermediate_size=int(get("feed_forward_length")),
-        max_position_embeddings=int(get("context_length")),
-        norm_eps=float(get(norm_eps_key)),
-        head_dim=int(get("attention.key_length", hidden // num_heads)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch, tensor_names),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        hidden_act="gelu_new" if family == "gpt2" else "silu",
-    )
+    num_heads = get("attention.head_count", int)
+    try:
+        return ModelConfig(
+            architecture=family,
+            vocab_size=vocab_size,
+            hidden_size=get("embedding_length", int),
+            num_hidden_layers=get("block_count", int),
+            num_attention_heads=num_heads,
+            num_key_value_heads=get("attention.head_count_kv", int, num_heads),
+            intermediate_size=get("feed_forward_length", int),
+            max_position_embeddings=get("context_length", int),
+            norm_eps=get(norm_eps_key, float),
+            head_dim=get("attention.key_length", int, 0),  # 0: hidden / heads, checked by ModelConfig
+            rope_theta=get("rope.freq_base", float, 10000.0),
+            rope_scaling=_rope_scaling(reader, arch, tensor_names),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            hidden_act="gelu_new" if family == "gpt2" else "silu",
+        )
+    except ModelLoadError:
+        raise
+    except ValueError as exc:  # ModelConfig's and RopeScaling's checks
+        raise ModelLoadError(f"{getattr(reader.data, 'filename', 'GGUF file')}: GGUF metadata: {exc}") from None
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> RopeScaling | None:
@@ -92,19 +105,25 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> Rope
         return None
     if kind != "linear":
         raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported (supported: linear)")
-    return RopeScaling("linear", factor=float(field(reader, f"{arch}.rope.scaling.factor", 1.0)))
+    factor_key = f"{arch}.rope.scaling.factor"
+    return RopeScaling("linear", factor=_number(field(reader, factor_key, 1.0), factor_key, float))
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp interleaves each head's rotary halves; restore Hugging Face's half-split layout."""
+    """llama.cpp interleaves each head's rotary halves; restore Hugging Face's half-split layout. The rows
+    split into heads of an even head_dim: the shape was matched to the config's before any read."""
     shape = w.shape
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
 
 
 def _dequantize(tensor) -> np.ndarray:
     if tensor.tensor_type not in _SUPPORTED_TYPES:
         raise ModelLoadError(f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}")
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
+    shape = _shape(tensor)
     try:
         return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     except Exception as exc:
@@ -132,4 +151,4 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[NamedTenso
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.from_numpy(w)
 
-        yield hf_name, produce
+        yield hf_name, TensorSource(_shape(tensor), produce)

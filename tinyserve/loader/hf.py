@@ -5,6 +5,8 @@ them would run arbitrary code from the checkpoint."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from safetensors import safe_open
 
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.weights import NamedTensor
+from tinyserve.loader.weights import NamedTensor, TensorSource
 from tinyserve.models.registry import family_of_hf_architecture, get_model_class
 
 # Buffers some checkpoints carry that we recompute or never need: rotary tables, GPT-2's causal mask.
@@ -26,9 +28,12 @@ _SUPPORTED_ACTS = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",),
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: not readable JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return value
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -40,8 +45,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 def _family(raw: dict[str, Any]) -> str:
     architectures = raw.get("architectures") or []
-    if not architectures:
-        raise ModelLoadError("config.json names no architecture (`architectures` is missing or empty)")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise ModelLoadError("config.json names no architecture (`architectures` is missing, empty or not a list)")
     try:
         return family_of_hf_architecture(architectures[0])
     except ValueError as exc:
@@ -54,13 +59,35 @@ def _require(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
+# JSON values are converted here, so that a string, a list or NaN where a number belongs is an error that
+# names its key (not a TypeError), and a float is not truncated into a size.
+def _as_int(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():  # some exporters write 4096.0
+        return int(value)
+    raise ModelLoadError(f"config.json: {key} must be an integer, got {value!r}")
+
+
+def _as_float(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ModelLoadError(f"config.json: {key} must be a finite number, got {value!r}")
+
+
+def _int(raw: dict[str, Any], key: str) -> int:
+    return _as_int(_require(raw, key), key)
+
+
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling). transformers >= 5 writes `rope_parameters` (theta inside it); older configs
     write `rope_theta` at the top and `rope_scaling` (null, or keyed by `type` or `rope_type`)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"config.json: rope parameters must be an object, got {params!r}")
     if params and not ({"rope_type", "type", "rope_theta"} & params.keys()):
         raise ModelLoadError(f"config.json: per-layer rope parameters are not supported ({sorted(params)})")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = _as_float(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -68,11 +95,12 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"config.json: rope scaling type {kind!r} is not supported (supported: linear, llama3)")
     try:
         if kind == "linear":
-            return theta, RopeScaling("linear", factor=float(params["factor"]))
+            return theta, RopeScaling("linear", factor=_as_float(params["factor"], "rope_scaling.factor"))
         return theta, RopeScaling(
-            "llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            "llama3", **{key: _as_float(params[key], f"rope_scaling.{key}")
+                         for key in ("factor", "low_freq_factor", "high_freq_factor")},
+            original_max_position_embeddings=_as_int(params["original_max_position_embeddings"],
+                                                     "rope_scaling.original_max_position_embeddings"),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json: {kind} rope scaling is missing {exc}") from None
@@ -88,68 +116,74 @@ def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
     if raw.get("mlp_bias"):
         raise ModelLoadError("config.json: mlp_bias=true is not supported")
     theta, scaling = _rope(raw)
-    num_heads = int(_require(raw, "num_attention_heads"))
+    num_heads = _int(raw, "num_attention_heads")
     # Mistral sets sliding_window alone; Qwen configs carry one that applies only with use_sliding_window.
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     return dict(
-        vocab_size=int(_require(raw, "vocab_size")),
-        hidden_size=int(_require(raw, "hidden_size")),
-        num_hidden_layers=int(_require(raw, "num_hidden_layers")),
+        vocab_size=_int(raw, "vocab_size"),
+        hidden_size=_int(raw, "hidden_size"),
+        num_hidden_layers=_int(raw, "num_hidden_layers"),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-        intermediate_size=int(_require(raw, "intermediate_size")),
-        max_position_embeddings=int(_require(raw, "max_position_embeddings")),
-        norm_eps=float(_require(raw, "rms_norm_eps")),
-        head_dim=int(raw.get("head_dim") or 0),
+        num_key_value_heads=_as_int(raw.get("num_key_value_heads") or num_heads, "num_key_value_heads"),
+        intermediate_size=_int(raw, "intermediate_size"),
+        max_position_embeddings=_int(raw, "max_position_embeddings"),
+        norm_eps=_as_float(_require(raw, "rms_norm_eps"), "rms_norm_eps"),
+        head_dim=_as_int(raw.get("head_dim") or 0, "head_dim"),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         qk_norm=family == "qwen3",
         hidden_act=raw.get("hidden_act", "silu"),
-        sliding_window=None if window is None else int(window),
+        sliding_window=None if window is None else _as_int(window, "sliding_window"),
     )
 
 
 def _gpt2_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("scale_attn_by_inverse_layer_idx") or not raw.get("scale_attn_weights", True):
         raise ModelLoadError("config.json: GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
-    hidden, num_heads = int(_require(raw, "n_embd")), int(_require(raw, "n_head"))
+    hidden, num_heads = _int(raw, "n_embd"), _int(raw, "n_head")
     return dict(
-        vocab_size=int(_require(raw, "vocab_size")),
+        vocab_size=_int(raw, "vocab_size"),
         hidden_size=hidden,
-        num_hidden_layers=int(_require(raw, "n_layer")),
+        num_hidden_layers=_int(raw, "n_layer"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        intermediate_size=int(raw.get("n_inner") or 4 * hidden),
-        max_position_embeddings=int(_require(raw, "n_positions")),
-        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        intermediate_size=_as_int(raw.get("n_inner") or 4 * hidden, "n_inner"),
+        max_position_embeddings=_int(raw, "n_positions"),
+        norm_eps=_as_float(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         hidden_act=raw.get("activation_function", "gelu_new"),
     )
 
 
-def _as_ids(value: Any) -> list[int]:
+def _as_ids(value: Any, key: str) -> list[int]:
     """eos_token_id (and rarely bos) is an int, a list of ints, or null."""
-    return [] if value is None else [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    return [_as_int(v, key) for v in values]
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
+    """The checkpoint's hyper-parameters, checked (ModelConfig's bounds) before anything is built from them."""
     folder = Path(folder)
     raw = _read_config(folder)
     family = _family(raw)
-    fields = _gpt2_fields(raw) if family == "gpt2" else _llama_fields(raw, family)
-    if fields["hidden_act"] not in _SUPPORTED_ACTS[family]:
-        raise ModelLoadError(f"config.json: activation {fields['hidden_act']!r} is not supported for {family}")
-    generation = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
-    bos_ids = _as_ids(generation.get("bos_token_id", raw.get("bos_token_id")))
-    eos_ids = _as_ids(generation.get("eos_token_id")) + _as_ids(raw.get("eos_token_id"))
     try:
+        fields = _gpt2_fields(raw) if family == "gpt2" else _llama_fields(raw, family)
+        if fields["hidden_act"] not in _SUPPORTED_ACTS[family]:
+            raise ModelLoadError(f"config.json: activation {fields['hidden_act']!r} is not supported for {family}")
+        generation = (_read_json(folder / "generation_config.json")
+                      if (folder / "generation_config.json").is_file() else {})
+        bos_ids = _as_ids(generation.get("bos_token_id", raw.get("bos_token_id")), "bos_token_id")
+        eos_ids = _as_ids(generation.get("eos_token_id"), "eos_token_id") + _as_ids(raw.get("eos_token_id"),
+                                                                                    "eos_token_id")
         return ModelConfig(
             architecture=family, **fields, bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),  # de-duplicated, first-seen order
         )
-    except ValueError as exc:
+    except ModelLoadError:
+        raise
+    except ValueError as exc:  # ModelConfig's and RopeScaling's checks
         raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from None
 
 
@@ -160,7 +194,10 @@ def _weight_files(folder: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: no weight_map")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        names = list(dict.fromkeys(weight_map.values()))
+        if not all(isinstance(name, str) for name in names):
+            raise ModelLoadError(f"{index}: weight_map values must be file names (strings)")
+        files = [_shard_path(folder, index, name) for name in sorted(names)]
         for path in files:
             if not path.is_file():
                 raise ModelLoadError(f"{index} lists {path.name}, which is missing")
@@ -172,6 +209,21 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no weight files (model.safetensors or model.safetensors.index.json)")
 
 
+def _shard_path(folder: Path, index: Path, name: str) -> Path:
+    """The file an index names, refused unless it lies inside the folder: the index is data from the
+    checkpoint, and `../` or an absolute path would open any file on the machine. The name is resolved
+    lexically and each folder on its way must be a real one, but the file itself may be a link: Hugging
+    Face's cache links every file of a snapshot to a blob outside it."""
+    relative = os.path.normpath(name) if name and "\x00" not in name else ""
+    parts = Path(relative).parts
+    if not parts or Path(relative).is_absolute() or ".." in parts:
+        raise ModelLoadError(f"{index}: weight_map file {name!r} is outside the model folder")
+    path = folder / relative
+    if path.parent.resolve() != folder.resolve().joinpath(*parts[:-1]):
+        raise ModelLoadError(f"{index}: weight_map file {name!r} is outside the model folder (through a link)")
+    return path
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -179,7 +231,7 @@ def _open(path: Path):
         raise ModelLoadError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
 
 
-def _producer(handle, path: Path, name: str, transpose: bool):
+def _producer(handle, path: Path, name: str, transpose: bool) -> TensorSource:
     def produce() -> torch.Tensor:
         try:
             tensor = handle.get_tensor(name)
@@ -187,7 +239,11 @@ def _producer(handle, path: Path, name: str, transpose: bool):
             raise ModelLoadError(f"{path}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
         return tensor.t() if transpose else tensor  # Conv1D [in, out] -> Linear [out, in]
 
-    return produce
+    try:  # from the header: nothing is read
+        shape = tuple(handle.get_slice(name).get_shape())
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    return TensorSource(shape[::-1] if transpose else shape, produce)
 
 
 def hf_tensors(folder: str | Path) -> Iterator[NamedTensor]:

@@ -1,7 +1,8 @@
 """From a --model argument to a ready model, its config and its tokenizer.
 
-The model is built on the meta device (no memory, no random init), materialized empty on the target
-device in the target dtype, then filled tensor by tensor: peak memory is the model plus one tensor.
+The model is built on the meta device (no memory, no random init) from a checked config (ModelConfig's
+bounds), matched against the checkpoint's tensor names and header shapes, materialized empty on the
+target device in the target dtype, then filled tensor by tensor: peak memory is the model plus one tensor.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
 from tinyserve.loader.tokenizer import Tokenizer
-from tinyserve.loader.weights import load_weights
+from tinyserve.loader.weights import load_weights, match_tensors
 from tinyserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
     load_dtype = torch.float32 if quantization else dtype
     with torch.device("meta"):
         model = cls(config)
+    # Names and shapes from the files' headers against the model on meta: a config that does not describe
+    # the checkpoint (say 10^12 parameters beside a 1 MB file) is refused before anything is allocated.
+    tensors = list(tensors)
+    match_tensors(model, tensors, ignore)
     _materialize(model, load_dtype, device)
     with torch.no_grad():
         load_weights(model, tensors, ignore=ignore)

@@ -1,9 +1,16 @@
 """Copy checkpoint tensors into a model, strictly: every parameter (and every shard of a merged one)
-filled exactly once with the right shape, no tensor left over. Errors name the tensor."""
+filled exactly once with the right shape, no tensor left over. Errors name the tensor.
+
+The names and shapes are matched twice: first against the model on the meta device, from the files'
+headers alone, so that a checkpoint whose config does not describe its tensors is refused before any
+memory is allocated for it (a config is a few bytes of text: one declaring 10^12 parameters beside a
+1 MB file would otherwise be allocated before the first tensor is found missing); then each tensor as
+it is read and copied."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,8 +20,20 @@ from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.names import to_param_name
 
 # A checkpoint tensor: its Hugging Face name and a function producing it (lazily, so at most one
-# tensor's temporary copy exists at a time).
+# tensor's temporary copy exists at a time). The loaders' producers are TensorSources.
 NamedTensor = tuple[str, Callable[[], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A checkpoint tensor not read yet: its shape as it will be produced, from the file's header, and
+    how to read it."""
+
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+    def __call__(self) -> torch.Tensor:
+        return self.read()
 
 
 def _expected_slots(model: nn.Module) -> dict[tuple[str, int | None], str]:
@@ -41,10 +60,23 @@ def _target(model: nn.Module, param_name: str, shard: int | None) -> torch.Tenso
     return param.data.narrow(0, start, size)
 
 
-def load_weights(model: nn.Module, tensors: Iterable[NamedTensor], ignore: Callable[[str], bool] = lambda _: False) -> None:
-    """Fill `model` (already materialized on its device and dtype) from checkpoint tensors."""
+def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor) -> None:
+    if shape != tuple(target.shape):
+        raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")
+
+
+# (name, producer, the parameter or the shard of one that the tensor fills)
+Match = tuple[str, Callable[[], torch.Tensor], torch.Tensor]
+
+
+def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
+                  ignore: Callable[[str], bool] = lambda _: False) -> list[Match]:
+    """A Match for every checkpoint tensor not ignored, or the error of the first unexpected, repeated,
+    missing or (where its producer knows its shape) misshapen one. Reads no tensor, so it runs on the
+    meta device too."""
     packed = getattr(model, "packed_modules", {})
     missing = _expected_slots(model)
+    matched = []
     for hf_name, produce in tensors:
         if ignore(hf_name):
             continue
@@ -53,14 +85,20 @@ def load_weights(model: nn.Module, tensors: Iterable[NamedTensor], ignore: Calla
             seen = "loaded twice" if param_name in dict(model.named_parameters()) else "unexpected"
             raise ModelLoadError(f"tensor {hf_name!r} is {seen} for {type(model).__name__}")
         target = _target(model, param_name, shard)
-        tensor = produce()
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ModelLoadError(
-                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        if isinstance(produce, TensorSource):
+            _check_shape(hf_name, produce.shape, target)
         del missing[(param_name, shard)]
+        matched.append((hf_name, produce, target))
     if missing:
         names = sorted(missing.values())
         more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
         raise ModelLoadError(f"checkpoint is missing tensor(s): {', '.join(names[:5])}{more}")
+    return matched
+
+
+def load_weights(model: nn.Module, tensors: Iterable[NamedTensor], ignore: Callable[[str], bool] = lambda _: False) -> None:
+    """Fill `model` (already materialized on its device and dtype) from checkpoint tensors."""
+    for hf_name, produce, target in match_tensors(model, tensors, ignore):
+        tensor = produce()
+        _check_shape(hf_name, tuple(tensor.shape), target)  # the file's data, whatever its header said
+        target.copy_(tensor)

@@ -67,7 +67,11 @@ void pass(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, int64_t t0,
 
 torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_matmul: x must be [tokens, in] bfloat16");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "bf16_matmul: weight bfloat16, contiguous");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "bf16_matmul: weight 2-d bfloat16, contiguous");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_matmul: inputs must be on the CPU");
+  // the row blocks are counted from out_features: it must be positive for them to cover the output
+  TORCH_CHECK(out_features >= 1 && x.size(1) >= 16, "bf16_matmul: out_features must be >= 1 and in >= 16");
   const int64_t tokens = x.size(0), k = x.size(1), n = out_features, blocks = (n + kRows - 1) / kRows;
   TORCH_CHECK(k % 16 == 0 && weight.size(0) == blocks && weight.size(1) == k * kRows, "bf16_matmul: shapes do not match");
   TORCH_CHECK(tokens >= 1, "bf16_matmul: no tokens");

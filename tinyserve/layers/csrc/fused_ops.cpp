@@ -93,15 +93,27 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
   });
 }
 
+// The kernels read rows of x.size(-1) elements by pointer and divide numel by that width: a width of 0
+// (a model with hidden_size or intermediate_size 0) would divide by zero.
 void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": x must be on the CPU");
   TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, name, ": x must be contiguous");
+  TORCH_CHECK(x.size(-1) >= 1, name, ": the last dim of x must be >= 1");
+}
+
+// weight is read as weight[0 .. width - 1] by pointer: a strided or expanded view would be read wrong,
+// or past its storage.
+void check_weight(const torch::Tensor& weight, const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                  weight.numel() == x.size(-1),
+              name, ": bad weight (must be contiguous, on the CPU, x's dtype, x.size(-1) elements)");
 }
 
 }  // namespace
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "rms_norm: bad weight");
+  check_weight(weight, x, "rms_norm");
   auto out = torch::empty_like(x);
   const int64_t width = x.size(-1);
   tinyserve::dispatch_float_types(x, "rms_norm", [&](auto tag) {
@@ -115,9 +127,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // residual += x (in place, rounded to the dtype), returns rms_norm(residual)
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm");
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(residual.device().is_cpu() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must match x");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "add_rms_norm: bad weight");
+  check_weight(weight, x, "add_rms_norm");
   auto out = torch::empty_like(x);
   const int64_t width = x.size(-1);
   tinyserve::dispatch_float_types(x, "add_rms_norm", [&](auto tag) {
@@ -130,7 +143,10 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
 
 // x may be a view into the fused qkv output: its rows (tokens) may be strided, each row's heads contiguous.
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "rotary: x must be [tokens, heads, even head_dim]");
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "rotary: inputs must be on the CPU");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) >= 2 && x.size(2) % 2 == 0,
+              "rotary: x must be [tokens, heads, even head_dim]");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary: each token's heads must be contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
                   sin.numel() == cos.numel() && cos.scalar_type() == x.scalar_type() &&
@@ -147,7 +163,7 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
   check_rows(x, "silu_and_mul");
-  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_and_mul: last dim must be even");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_and_mul: last dim must be even");  // and >= 1 (check_rows): d >= 1
   auto sizes = x.sizes().vec();
   const int64_t d = sizes.back() / 2;
   sizes.back() = d;

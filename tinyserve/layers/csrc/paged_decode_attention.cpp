@@ -118,6 +118,23 @@ void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& key, const t
   }
 }
 
+// Every block a sequence reads must lie in the pool and every length within its table: the kernel indexes
+// the pool with them unchecked, so a scheduler bug would read (and, through the prefetch, touch) memory
+// outside it instead of raising. One pass over the tables' used entries, O(num_seqs x blocks per
+// sequence) integer compares, nothing per token.
+void check_tables(const int64_t* tables, const int64_t* seq_lens, const Shape& s, int64_t table_width) {
+  const int64_t max_len = table_width * s.block_size;
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    const int64_t len = seq_lens[seq];
+    TORCH_CHECK(len >= 1 && len <= max_len, "paged_decode_attention: seq_lens[", seq, "] = ", len,
+                " is outside [1, ", max_len, "] (block table width ", table_width, " x block_size ", s.block_size, ")");
+    const int64_t* table = tables + seq * s.table_stride;
+    for (int64_t b = 0, used = (len + s.block_size - 1) / s.block_size; b < used; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < s.num_blocks, "paged_decode_attention: block_tables[", seq, "][", b,
+                  "] = ", table[b], " is outside the pool [0, ", s.num_blocks, ")");
+  }
+}
+
 }  // namespace
 
 // q [num_seqs, heads, head_dim]; key/value [kv_heads, num_blocks, block_size, head_dim];
@@ -125,7 +142,12 @@ void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& key, const t
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      double scale) {
-  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && key.sizes() == value.sizes(), "paged_decode_attention: bad ranks");
+  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && key.sizes() == value.sizes() && block_tables.dim() == 2 &&
+                  seq_lens.dim() == 1,
+              "paged_decode_attention: bad ranks");
+  TORCH_CHECK(q.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() &&
+                  block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "paged_decode_attention: all inputs must be on the CPU");
   TORCH_CHECK(q.is_contiguous() && key.is_contiguous() && value.is_contiguous() && seq_lens.is_contiguous() &&
                   block_tables.stride(1) == 1,
               "paged_decode_attention: inputs must be contiguous");
@@ -133,12 +155,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "paged_decode_attention: q, key and value must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and seq_lens must be int64");
+  // sizes the kernel divides by or walks with: a malformed model or pool could make any of them 0
+  TORCH_CHECK(q.size(1) >= 1 && key.size(0) >= 1 && key.size(1) >= 1 && key.size(2) >= 1,
+              "paged_decode_attention: heads, kv_heads, num_blocks and block_size must be >= 1");
   TORCH_CHECK(q.size(1) % key.size(0) == 0 && q.size(2) == key.size(3) && block_tables.size(0) == q.size(0) &&
                   seq_lens.size(0) == q.size(0),
               "paged_decode_attention: shapes do not match");
   auto out = torch::empty_like(q);
   const Shape s{q.size(0), q.size(1), key.size(0), key.size(1), key.size(2), block_tables.stride(0),
                 static_cast<float>(scale)};
+  check_tables(block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), s, block_tables.size(1));
   tinyserve::dispatch_float_types(q, "paged_decode_attention", [&](auto tag) {
     dispatch_head_dim<decltype(tag)>(q, key, value, block_tables, seq_lens, out, s);
   });

@@ -179,10 +179,14 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
 template <int Bits>
 torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                      const at::Half* minimums, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
+              name, ": inputs must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [tokens, in] bfloat16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && codes.is_contiguous() &&
-                  scales.is_contiguous(),
-              name, ": codes uint8, scales float16, contiguous");
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.scalar_type() == at::kByte &&
+                  scales.scalar_type() == at::kHalf && codes.is_contiguous() && scales.is_contiguous(),
+              name, ": codes uint8, scales float16, contiguous, 2-d");
+  // the row blocks are counted from out_features: it must be positive for them to cover the output
+  TORCH_CHECK(out_features >= 1 && x.size(1) >= kGroup, name, ": out_features must be >= 1 and in >= ", kGroup);
   const int64_t tokens = x.size(0), k = x.size(1), n = out_features, blocks = (n + kRows - 1) / kRows;
   TORCH_CHECK(k % kGroup == 0 && codes.size(0) == blocks && codes.size(1) == k / kGroup * group_bytes<Bits>() &&
                   scales.size(0) == blocks && scales.size(1) == k / kGroup * kRows,
@@ -206,7 +210,8 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
 
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           const torch::Tensor& minimums, int64_t out_features) {
-  TORCH_CHECK(minimums.scalar_type() == at::kHalf && minimums.is_contiguous() && minimums.sizes() == scales.sizes(),
+  TORCH_CHECK(minimums.device().is_cpu() && minimums.scalar_type() == at::kHalf && minimums.is_contiguous() &&
+                  minimums.sizes() == scales.sizes(),
               "int4_matmul: minimums float16, contiguous, shaped as the scales");
   return matmul<4>("int4_matmul", x, codes, scales, minimums.data_ptr<at::Half>(), out_features);
 }
