@@ -7,7 +7,8 @@ from pydantic import ValidationError
 from tinyserve.server.errors import BadRequest, bad_request_from_validation
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tinyserve.server.metrics import ServerMetrics, _token_buckets
-from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tinyserve.server.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest)
 from tinyserve.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
 
 
@@ -75,6 +76,51 @@ def test_validation_errors_name_the_field():
     assert bad_request_from_validation(exc.value).code == "invalid_json"
     assert BadRequest("m", "p").body() == {"error": {"message": "m", "type": "invalid_request_error",
                                                      "param": "p", "code": "invalid_value"}}
+
+
+def _error(model, body: dict, context: dict | None = None) -> BadRequest:
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(body, context=context)
+    return bad_request_from_validation(exc.value)
+
+
+def test_size_caps_come_from_the_validation_context():
+    limits = {"max_prompts": 2, "max_messages": 3}
+    error = _error(CompletionRequest, {"prompt": ["a", "b", "c"]}, limits)
+    assert error.param == "prompt" and error.message == ("prompt: must hold at most 2 prompts, got 3 (the server's "
+                                                         "--max-prompts-per-request)")
+    assert _error(CompletionRequest, {"prompt": [[1], [2], [3]]}, limits).param == "prompt"
+    assert CompletionRequest.model_validate({"prompt": list(range(100))}, context=limits).prompt == [list(range(100))]
+    assert len(CompletionRequest.model_validate({"prompt": ["a"] * 100}).prompt) == 100  # no context: no cap
+    wizards = {"messages": [{"role": "wizard"}] * 10}  # the count is checked before any message is
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        error = _error(model, wizards, limits)
+        assert error.param == "messages" and error.message.startswith("messages: must hold at most 3 messages, got 10")
+    assert _error(ChatCompletionRequest, wizards).param == "messages[0].role"
+    assert _error(DetokenizeRequest, {"tokens": [0] * 1_000_001}).param == "tokens"
+
+
+def test_priority_and_cache_salt_bounds():
+    for priority in (MAX_PRIORITY, -MAX_PRIORITY, 0):
+        assert CompletionRequest.model_validate({"prompt": "x", "priority": priority}).priority == priority
+    for priority in (MAX_PRIORITY + 1, -MAX_PRIORITY - 1, -(10**18)):
+        error = _error(CompletionRequest, {"prompt": "x", "priority": priority})
+        assert error.param == "priority" and error.message.startswith("priority: must be in [-1000, 1000]")
+    assert _chat(cache_salt="t" * MAX_CACHE_SALT_CHARS).cache_salt == "t" * MAX_CACHE_SALT_CHARS
+    for salt in ("", "t" * (MAX_CACHE_SALT_CHARS + 1), 7):
+        assert _error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "cache_salt": salt}
+                      ).param == "cache_salt"
+
+
+def test_engine_caps_are_named_by_their_field():
+    huge_bias = {f"k{i}": 1.0 for i in range(1025)}  # counted before a single key is converted
+    cases = [({"logit_bias": huge_bias}, "logit_bias", "at most 1024"), ({"stop": ["s"] * 17}, "stop", "at most 16"),
+             ({"stop": ["s" * 257]}, "stop", "256"), ({"stop_token_ids": list(range(65))}, "stop_token_ids", "64"),
+             ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0")]
+    for fields, param, fragment in cases:
+        with pytest.raises(BadRequest) as exc:
+            CompletionRequest.model_validate({"prompt": "x", **fields}).to_sampling_params()
+        assert exc.value.param == param and exc.value.message.startswith(param) and fragment in exc.value.message
 
 
 class _FakeTokenizer:

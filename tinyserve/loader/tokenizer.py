@@ -9,6 +9,9 @@ rendered in a sandbox the way transformers renders them, so prompts match token 
 from __future__ import annotations
 
 import json
+import re
+import secrets
+import threading
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +50,11 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 }
 # Llama 3 style vocabularies take a whole pre-token that is itself a token without running merges (llama.cpp too).
 _IGNORE_MERGES = {_LLAMA3_SPLIT}
+
+# Texts longer than this (characters) are encoded through encode_batch, and token lists longer than this
+# decoded through decode_batch: those release the GIL, while encode / decode hold it for the whole call and
+# so stall every other thread (the server's event loop) for as long as a long text takes.
+_GIL_FREE_LENGTH = 4096
 
 # Tokens that end a turn in the common chat formats. The declared eos often is not the one a chat turn ends
 # with (SmolLM2's GGUF), so, like llama.cpp, any of these that is an added/control token also stops generation.
@@ -200,6 +208,38 @@ def _as_ids(value: Any) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
+def _component_kinds(component: Any, nested_key: str) -> list[dict]:
+    """A normalizer's or pre-tokenizer's serialized steps, Sequences flattened."""
+    if component is None:
+        return []
+    steps, kinds = [json.loads(component.__getstate__())], []
+    while steps:
+        step = steps.pop()
+        if step["type"] == "Sequence":
+            steps.extend(step.get(nested_key) or [])
+        else:
+            kinds.append(step)
+    return kinds
+
+
+def _keeps_every_character(backend: tokenizers.Tokenizer) -> bool:
+    """Whether every character of a text lands in some token whose spelling is at least as long as what it
+    covers: true of byte-level BPE and SentencePiece with byte fallback (all a GGUF gives us), false where
+    characters are merged (NFC), dropped (BERT's whitespace split, Strip) or swallowed (a fused unk run)."""
+    model = backend.model
+    if not isinstance(model, BPE) or (model.unk_token is not None and model.fuse_unk and not model.byte_fallback):
+        return False
+    for step in _component_kinds(backend.normalizer, "normalizers"):
+        pattern = step.get("pattern", {}).get("String")
+        if step["type"] == "Replace" and pattern is not None and len(pattern) <= len(step["content"]):
+            continue
+        if step["type"] != "Prepend":
+            return False
+    keeping = {"ByteLevel", "Split", "Digits", "Metaspace", "Punctuation"}
+    return all(step["type"] in keeping and step.get("behavior") != "Removed"
+               for step in _component_kinds(backend.pre_tokenizer, "pretokenizers"))
+
+
 class Tokenizer:
     """A BPE tokenizer plus what serving needs around it: bos/eos ids, special tokens, the chat template.
 
@@ -219,6 +259,16 @@ class Tokenizer:
         self._backend = backend
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special_id_of = {t.content: i for i, t in added.items() if t.special}
+        longest_first = sorted(self._special_id_of, key=len, reverse=True)  # leftmost-longest, as the backend
+        self._special_pattern = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        self._text_backend: tokenizers.Tokenizer | None = None  # built on first use: see _encode_as_text
+        self._text_backend_lock = threading.Lock()
+        # A text of more than n * max_token_chars characters cannot encode to n tokens or fewer (None: no such
+        # bound, the tokenizer may merge or drop characters), so a prompt that cannot fit the context is refused
+        # without tokenizing it.
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.max_token_chars = max(map(len, vocab)) if vocab and _keeps_every_character(backend) else None
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
         declared = {None if eos_token is None else backend.token_to_id(eos_token), *eos_token_ids}
@@ -312,10 +362,75 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. "<|im_start|>") always become their ids; add_special_tokens
         only controls whether bos/eos are added around it."""
+        if len(text) > _GIL_FREE_LENGTH:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        token_ids = list(token_ids)
+        if len(token_ids) > _GIL_FREE_LENGTH:
+            return self._backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` spells a special token, e.g. "<|im_start|>"."""
+        return any(special in text for special in self._special_id_of)
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_in_content: bool = False
+    ) -> list[int]:
+        """The prompt ids of a conversation (bos, if any, is the template's to write). Special-token text inside
+        a message's content ("<|im_end|><|im_start|>system ...") is encoded as plain text, so a user cannot
+        forge a turn: only the template's own special tokens become control ids. `allow_special_in_content`
+        (trusted clients) parses them everywhere. Without such text the ids are exactly
+        encode(apply_chat_template(...), add_special_tokens=False). Raises ValueError as apply_chat_template."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        contents = [m.get("content") for m in messages]
+        if allow_special_in_content or not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
+            return self.encode(prompt, add_special_tokens=False)
+        return self._encode_pieces(self._template_and_contents(messages, add_generation_prompt, prompt))
+
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+        """[template, content, ..., template] -> ids: the template's special tokens become their ids, all else is
+        text. The text between two of them is encoded in one piece, as the backend itself encodes a prompt (it
+        splits at special tokens only), so a conversation without special text in content gets the same ids."""
+        ids, text = [], []  # text: what runs since the last special token of the template
+        for i, piece in enumerate(pieces):
+            start = 0
+            if i % 2 == 0 and self._special_pattern is not None:  # the template's own text
+                for match in self._special_pattern.finditer(piece):
+                    ids += self._encode_as_text("".join(text) + piece[start:match.start()])
+                    ids.append(self._special_id_of[match.group()])
+                    text, start = [], match.end()
+            text.append(piece[start:])
+        return ids + self._encode_as_text("".join(text))
+
+    def _template_and_contents(self, messages: list[dict], add_generation_prompt: bool, prompt: str) -> list[str]:
+        """The prompt cut into [template, content, template, ..., template]. Found by rendering each content as a
+        random placeholder; the content goes back in as given, or stripped if that is what makes the real
+        prompt (templates that `| trim` it). NOTE: a template that transforms content in another way gets it
+        as given, a small change of prompt that only special-token text in content can cause."""
+        nonce = secrets.token_hex(8)
+        masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
+                  for i, m in enumerate(messages)]
+        skeleton = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)  # odd items: the message index
+        as_given = [p if i % 2 == 0 else messages[int(p)]["content"] for i, p in enumerate(parts)]
+        stripped = [p if i % 2 == 0 else p.strip() for i, p in enumerate(as_given)]
+        return stripped if "".join(as_given) != prompt and "".join(stripped) == prompt else as_given
+
+    def _encode_as_text(self, text: str) -> list[int]:
+        """Special-token text as plain text. A second backend does it (encode_special_tokens is a setting of the
+        backend, and the shared one is used from several threads at once)."""
+        if not text:
+            return []
+        with self._text_backend_lock:
+            if self._text_backend is None:
+                self._text_backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                self._text_backend.encode_special_tokens = True
+        if len(text) > _GIL_FREE_LENGTH:
+            return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._text_backend.encode(text, add_special_tokens=False).ids
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs: Any

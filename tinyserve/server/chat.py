@@ -9,10 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (check_model, encode, parse_body, render_chat, require_api_key, server_state,
+from tinyserve.server.intake import (check_model, encode_chat, parse_body, require_api_key, server_state,
                                      validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs
-from tinyserve.server.protocol import ChatCompletionRequest
+from tinyserve.server.protocol import ChatCompletionRequest, limits_context
 from tinyserve.types import RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -23,19 +23,18 @@ async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state = server_state(request)
     engine = state.admit()
-    body = await parse_body(request, ChatCompletionRequest)
+    body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
     check_model(state, body.model)
     params = body.to_sampling_params()
     messages = [m.as_template_message() for m in body.messages]
-    prompt = render_chat(engine, messages, body.add_generation_prompt)
-    prompt_ids = await encode(engine, prompt, add_special_tokens=False)  # the template wrote bos if any
+    prompt_ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival,
-                            state.config.request_timeout, request.state.request_id)
+                            state.config.request_timeout, request.state.request_id, body.cache_salt)
     texts = state.token_texts if params.logprobs is not None else None
-    state.admit()  # again, with no await before queueing: the awaits above let other requests in
+    state.admit(params.n)  # again, counting every sample, with no await before queueing (see completions)
     generation.start()
     if body.stream:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -44,7 +43,7 @@ async def create_chat_completion(request: Request) -> Response:
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(len(generation.choices))]  # the role first, as OpenAI does
         return EventStreamResponse(event_stream(generation, head, include_usage, _choice(texts), roles),
-                                   generation.close)
+                                   generation.close, write_timeout=state.config.stream_write_timeout)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": body.model or state.model_name}
     await run_to_end(generation, request)

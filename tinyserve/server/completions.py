@@ -9,10 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (check_model, encode, parse_body, require_api_key, server_state,
+from tinyserve.server.intake import (check_model, encode_prompt, parse_body, require_api_key, server_state,
                                      validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, completion_logprobs
-from tinyserve.server.protocol import CompletionRequest
+from tinyserve.server.protocol import CompletionRequest, limits_context
 from tinyserve.types import RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -23,24 +23,26 @@ async def create_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state = server_state(request)
     engine = state.admit()
-    body = await parse_body(request, CompletionRequest)
+    body = await parse_body(request, CompletionRequest, limits_context(state.config))
     check_model(state, body.model)
     params = body.to_sampling_params()
-    prompts = [p if isinstance(p, list) else await encode(engine, p) for p in body.prompt]
+    prompts = [p if isinstance(p, list) else await encode_prompt(state, engine, p) for p in body.prompt]
     for ids in prompts:
         validate_prompt(engine, ids, params, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = Generation(engine, request_id, prompts, params, body.priority, arrival,
-                            state.config.request_timeout, request.state.request_id)
+                            state.config.request_timeout, request.state.request_id, body.cache_salt)
     texts = state.token_texts if params.logprobs is not None else None
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": body.model or state.model_name}
-    state.admit()  # again, with no await before queueing: the awaits above let other requests in
+    # again, counting every sample, with no await before queueing: the awaits above let other requests in
+    state.admit(len(prompts) * params.n)
     generation.start()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         choice = _choice(texts, [0] * len(generation.choices))
-        return EventStreamResponse(event_stream(generation, head, include_usage, choice), generation.close)
+        return EventStreamResponse(event_stream(generation, head, include_usage, choice), generation.close,
+                                   write_timeout=state.config.stream_write_timeout)
     await run_to_end(generation, request)
     return JSONResponse(_response(generation, head, texts))
 

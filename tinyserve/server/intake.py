@@ -1,12 +1,17 @@
 """The front door of the generation endpoints, in order: admission (503 before any work), body parsing
-(400), model check (404), tokenization, and the engine's validation (400 with the numbers)."""
+(400, size caps first), model check (404), tokenization, and the engine's validation (400 with the numbers).
+
+Work that grows with the body runs off the event loop: long prompts are tokenized in a worker thread
+(Tokenizer.encode releases the GIL for them), and chat templates are rendered and encoded there too.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
@@ -17,7 +22,8 @@ from tinyserve.types import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
 # prompts longer than this (characters) are tokenized in a worker thread, off the event loop
-_THREAD_TOKENIZE_CHARS = 20_000
+_THREAD_TOKENIZE_CHARS = 8192
+_PARSE_FIRST_BYTES = 64 << 10  # bodies from this size are parsed before they are validated (parse_body)
 
 
 def server_state(request: Request) -> ServerState:
@@ -34,10 +40,22 @@ async def require_api_key(request: Request) -> None:
         raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], context: dict[str, Any] | None = None) -> M:
+    """`context` reaches the model's validators (protocol.limits_context: the server's size caps).
+
+    NOTE: a large body is parsed to Python objects first, then validated: `model_validate_json` hands a
+    list to a "before" validator only after converting the whole JSON tree again, so a size cap checked
+    there cost ~10x the parse on a 100,000-message body. Strict validation accepts the same in both
+    modes; small bodies keep JSON mode for its error wording ("a valid array", not "a valid list")."""
     body = await request.body()
     try:
-        return model.model_validate_json(body)
+        if len(body) < _PARSE_FIRST_BYTES:
+            return model.model_validate_json(body, context=context)
+        try:
+            data = pydantic_core.from_json(body)
+        except ValueError as exc:
+            raise BadRequest(f"malformed JSON body: {exc}", code="invalid_json") from None
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         raise bad_request_from_validation(exc) from None
 
@@ -48,26 +66,51 @@ def check_model(state: ServerState, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+def check_fits(state: ServerState, engine: AsyncEngine, num_chars: int, param: str) -> None:
+    """A text of more characters than the context's tokens can cover is refused without tokenizing it."""
+    max_token_chars = engine.tokenizer.max_token_chars
+    if max_token_chars is not None and num_chars > state.max_model_len * max_token_chars:
+        raise BadRequest(f"{param} has {num_chars} characters, more than the model's context of "
+                         f"{state.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
+
+
 async def encode(engine: AsyncEngine, text: str, add_special_tokens: bool = True) -> list[int]:
     if len(text) > _THREAD_TOKENIZE_CHARS:
         return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
     return engine.tokenizer.encode(text, add_special_tokens)
 
 
-def render_chat(engine: AsyncEngine, messages: list[dict], add_generation_prompt: bool) -> str:
+async def encode_prompt(state: ServerState, engine: AsyncEngine, text: str) -> list[int]:
+    check_fits(state, engine, len(text), "prompt")
+    return await encode(engine, text)
+
+
+async def encode_chat(state: ServerState, engine: AsyncEngine, messages: list[dict],
+                      add_generation_prompt: bool) -> list[int]:
+    """The conversation's prompt ids, rendered and encoded in a worker thread. Special-token text in
+    content is encoded as text unless the server trusts its clients (allow_special_tokens_in_messages)."""
+    check_fits(state, engine, sum(len(m["content"]) for m in messages), "messages")
+    trusted = state.config.allow_special_tokens_in_messages
     try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="messages") from None
+        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt, trusted)
+    except ValueError as exc:  # the template's own message, e.g. roles that must alternate
+        raise BadRequest(f"messages: {exc}", param="messages") from None
 
 
 def validate_prompt(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, param: str,
                     max_tokens_param: str = "max_tokens") -> None:
-    """The engine's checks (context length with both numbers, token id range) as a 400."""
+    """The engine's checks (context length with both numbers, token id ranges) as a 400 naming the field:
+    the one its message starts with when that is a sampling field (stop_token_ids, logit_bias), else `param`."""
     try:
         engine.engine.validate(prompt_ids, params)
     except ValueError as exc:
         message = str(exc)
-        named = max_tokens_param if "max_tokens" in message else "logit_bias" if "logit_bias" in message else param
+        first_word = message.split(" ", 1)[0]
+        if "max_tokens" in message:
+            named = max_tokens_param
+        elif first_word in SamplingParams.__dataclass_fields__:
+            named = first_word
+        else:
+            named = param
         raise BadRequest(message, param=named, code="context_length_exceeded" if "context" in message else
                          "invalid_value") from None

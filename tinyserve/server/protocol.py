@@ -7,16 +7,33 @@ Decisions (the malformed-input tests assert them):
   what the client gets (`echo`, `suffix`, `best_of` != n, `tools`, `functions`, a non-text
   `response_format`, non-text content parts), are a 400 naming the field.
 - Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
+- Sizes are capped before any per-item work: prompts per completion and messages per chat come from the
+  server's config, passed as the validation context (`limits_context`), and are checked before pydantic
+  validates the items; priority, cache_salt and /detokenize's tokens have fixed caps here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from tinyserve.config import ServerConfig
 from tinyserve.server.errors import BadRequest
-from tinyserve.types import SamplingParams
+from tinyserve.types import MAX_LOGIT_BIAS, SamplingParams
+
+MAX_PRIORITY = 1000  # client priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]; the server's own probes run below
+MAX_CACHE_SALT_CHARS = 256
+MAX_DETOKENIZE_TOKENS = 1_000_000
+
+
+def limits_context(config: ServerConfig) -> dict[str, int]:
+    """The validation context that carries the server's request-size caps to the validators below."""
+    return {"max_prompts": config.max_prompts_per_request, "max_messages": config.max_messages}
+
+
+def _limit(info: ValidationInfo, name: str) -> int | None:
+    return (info.context or {}).get(name)
 
 
 class _Strict(BaseModel):
@@ -50,6 +67,21 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks (tenants)
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, value: int) -> int:
+        if not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+            raise ValueError(f"must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {value}")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, value: str | None) -> str | None:
+        if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +98,9 @@ class _SamplingFields(_Strict):
         """Raises BadRequest naming the field (as the client spelled it, via `renames`)."""
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:  # before converting every key
+            raise BadRequest(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                             param="logit_bias")
         try:
             logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
@@ -106,11 +141,16 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value: Any) -> list[str] | list[list[int]]:
+    def _prompt(cls, value: Any, info: ValidationInfo) -> list[str] | list[list[int]]:
         """Normalised to a list of prompts, each a string or a list of token ids."""
         def is_ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
+        limit = _limit(info, "max_prompts")
+        is_batch = isinstance(value, list) and value and isinstance(value[0], (str, list))
+        if limit is not None and is_batch and len(value) > limit:  # before looking at each prompt
+            raise ValueError(f"must hold at most {limit} prompts, got {len(value)} (the server's "
+                             "--max-prompts-per-request)")
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
@@ -160,6 +200,14 @@ class ChatMessage(_Strict):
         return {"role": role, "content": self.content or ""}
 
 
+def _at_most_max_messages(value: Any, info: ValidationInfo) -> Any:
+    """Runs before the messages are validated one by one: 100,000 of them are refused without that work."""
+    limit = _limit(info, "max_messages")
+    if limit is not None and isinstance(value, list) and len(value) > limit:
+        raise ValueError(f"must hold at most {limit} messages, got {len(value)} (the server's --max-messages)")
+    return value
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: up to the model's context
@@ -171,6 +219,11 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, value: Any, info: ValidationInfo) -> Any:
+        return _at_most_max_messages(value, info)
 
     def to_sampling_params(self) -> SamplingParams:
         if not self.messages:
@@ -197,6 +250,8 @@ class ChatCompletionRequest(_SamplingFields):
         return self.sampling_params(max_tokens, logprobs, renames)
 
 
+
+
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
@@ -204,7 +259,13 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, value: Any, info: ValidationInfo) -> Any:
+        return _at_most_max_messages(value, info)
+
+
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]

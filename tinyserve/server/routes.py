@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
@@ -11,20 +12,24 @@ from fastapi.responses import JSONResponse, Response
 
 import tinyserve
 from tinyserve.server.errors import BadRequest
-from tinyserve.server.intake import (check_model, encode, parse_body, render_chat, require_api_key,
+from tinyserve.server.intake import (check_model, encode, encode_chat, parse_body, require_api_key,
                                      server_state)
 from tinyserve.server.metrics import CONTENT_TYPE
-from tinyserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from tinyserve.server.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
+from tinyserve.server.state import ServerState
 from tinyserve.types import SamplingParams
 
 api = APIRouter(dependencies=[Depends(require_api_key)])
 public = APIRouter()
 DEEP_HEALTH_TIMEOUT_S = 30.0
+DEEP_HEALTH_REUSE_S = 2.0  # a deep probe's result answers every probe for this long after it
+_THREAD_DETOKENIZE_TOKENS = 8192  # longer /detokenize requests are checked and decoded off the event loop
 
 
 def _model_card(state, name: str) -> dict:
+    # root is the served name, never the --model string: that may be a path on the server's disk
     return {"id": name, "object": "model", "created": state.created, "owned_by": "tinyserve",
-            "root": state.engine_config.model, "max_model_len": state.max_model_len or None}
+            "root": state.model_name, "max_model_len": state.max_model_len or None}
 
 
 @api.get("/v1/models")
@@ -44,13 +49,13 @@ async def get_model(name: str, request: Request) -> dict:
 async def tokenize(request: Request) -> dict:
     state = server_state(request)
     engine = state.check_ready()
-    body = await parse_body(request, TokenizeRequest)
+    body = await parse_body(request, TokenizeRequest, limits_context(state.config))
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
-        raise BadRequest("give exactly one of prompt and messages", param="prompt")
-    if body.messages is not None:
-        text = render_chat(engine, [m.as_template_message() for m in body.messages], body.add_generation_prompt)
-        ids = await encode(engine, text, add_special_tokens=False)
+        raise BadRequest("prompt: give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:  # the ids a chat completion would get
+        messages = [m.as_template_message() for m in body.messages]
+        ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
     else:
         ids = await encode(engine, body.prompt, body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
@@ -63,11 +68,17 @@ async def detokenize(request: Request) -> dict:
     body = await parse_body(request, DetokenizeRequest)
     check_model(state, body.model)
     vocab = engine.engine.model_config.vocab_size
-    bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise BadRequest(f"tokens[{bad}] must be a token id in [0, {vocab}), got {body.tokens[bad]}",
-                         param=f"tokens[{bad}]")
-    return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    def check_and_decode(tokens: list[int]) -> str:
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"tokens[{bad}] must be a token id in [0, {vocab}), got {tokens[bad]}",
+                             param=f"tokens[{bad}]")
+        return engine.tokenizer.decode(tokens)
+
+    if len(body.tokens) > _THREAD_DETOKENIZE_TOKENS:
+        return {"prompt": await asyncio.to_thread(check_and_decode, body.tokens)}
+    return {"prompt": check_and_decode(body.tokens)}
 
 
 @public.get("/health")
@@ -75,26 +86,52 @@ async def health(request: Request, deep: bool = False) -> Response:
     state = server_state(request)
     ok, status = state.is_healthy()
     if ok and deep:
-        ok, status = await _one_token(state)
+        probe = getattr(request.app.state, "deep_health_probe", None)
+        if probe is None:
+            probe = request.app.state.deep_health_probe = DeepHealthProbe()
+        ok, status = await probe.check(state)
     headers = None if ok else {"Retry-After": "5"}
     return JSONResponse({"status": status}, status_code=200 if ok else 503, headers=headers)
 
 
-async def _one_token(state) -> tuple[bool, str]:
-    """Runs a one-token greedy generation ahead of the queue."""
+class DeepHealthProbe:
+    """A one-token greedy generation at priority -(MAX_PRIORITY + 1), ahead of every client. /health is
+    open, so a flood of deep probes must not flood the engine: probes that arrive while one runs await
+    that one, and its result answers every probe for DEEP_HEALTH_REUSE_S after it ends; at most one
+    probe generation is ever queued. One per app (kept on app.state)."""
+
+    def __init__(self) -> None:
+        self._running: asyncio.Future[tuple[bool, str]] | None = None
+        self._result: tuple[bool, str] = (False, "generation_failed")
+        self._finished_at = float("-inf")
+
+    async def check(self, state: ServerState) -> tuple[bool, str]:
+        if self._running is None and time.monotonic() - self._finished_at < DEEP_HEALTH_REUSE_S:
+            return self._result
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._run(state))
+        # shielded: a prober that hangs up must not cancel the generation the others are waiting on
+        return await asyncio.shield(self._running)
+
+    async def _run(self, state: ServerState) -> tuple[bool, str]:
+        try:
+            result = await asyncio.wait_for(_one_token(state), DEEP_HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            result = (False, "generation_timed_out")
+        except Exception:  # noqa: BLE001 - the engine died or refused: the probe's answer, not a 500
+            result = (False, "generation_failed")
+        self._result, self._finished_at, self._running = result, time.monotonic(), None
+        return result
+
+
+async def _one_token(state: ServerState) -> tuple[bool, str]:
     engine = state.engine
     params = SamplingParams(max_tokens=1, temperature=0.0)
     ids = engine.tokenizer.encode("Hi")
-
-    async def run() -> bool:
-        finals = [out async for out in engine.generate(f"health-{uuid.uuid4().hex}", ids, params, priority=-(2**31))
-                  if out.finished]
-        return bool(finals) and finals[0].finish_reason.value in ("length", "stop")
-
-    try:
-        return (True, "ok") if await asyncio.wait_for(run(), DEEP_HEALTH_TIMEOUT_S) else (False, "generation_failed")
-    except (asyncio.TimeoutError, RuntimeError) as exc:
-        return False, f"generation_failed: {type(exc).__name__}"
+    finals = [out async for out in engine.generate(f"health-{uuid.uuid4().hex}", ids, params,
+                                                   priority=-(MAX_PRIORITY + 1)) if out.finished]
+    ok = bool(finals) and finals[0].finish_reason.value in ("length", "stop")
+    return (True, "ok") if ok else (False, "generation_failed")
 
 
 @public.get("/metrics")
