@@ -105,3 +105,66 @@ def test_unexpected_error_is_a_500_naming_the_request_id():
     assert r.status_code == 500 and r.headers["x-request-id"] == "req-42"
     assert r.json()["error"]["code"] == "internal_error" and "req-42" in r.json()["error"]["message"]
     assert "secret internals" not in r.text and "Traceback" not in r.text
+
+
+class _QueueStub:
+    """Just what admission reads of an AsyncEngine."""
+
+    is_alive = True
+
+    def __init__(self, num_running: int, num_waiting: int):
+        from tinyserve.engine.stats import EngineStats
+
+        fields = {f: 0 for f in EngineStats.__dataclass_fields__}
+        self.stats = EngineStats(**{**fields, "num_running": num_running, "num_waiting": num_waiting})
+        self.num_waiting = num_waiting
+
+
+class _RejectedCounter:
+    def __init__(self):
+        self.reasons: list[str] = []
+
+    def rejected(self, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+def _admission(num_running: int, num_waiting: int, max_queue: int = 4, max_num_seqs: int = 2):
+    from tinyserve.config import SchedulerConfig
+    from tinyserve.server.state import ServerState
+
+    state = ServerState(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)),
+                        ServerConfig(max_queue=max_queue))
+    state.phase, state.engine, state.metrics = "ready", _QueueStub(num_running, num_waiting), _RejectedCounter()
+    return state
+
+
+def test_admission_counts_every_sample_of_a_request():
+    import pytest
+
+    from tinyserve.server.errors import BadRequest, ServiceUnavailable
+
+    full = _admission(num_running=2, num_waiting=2)  # no free batch slot, 2 of 4 queue places taken
+    full.admit(2)
+    with pytest.raises(ServiceUnavailable) as exc:
+        full.admit(3)
+    assert exc.value.code == "overloaded" and exc.value.status == 503
+    idle = _admission(num_running=0, num_waiting=2)  # 2 free slots take 2 of the waiting at once
+    idle.admit(4)
+    with pytest.raises(ServiceUnavailable):  # the slack is 2 slots, no more
+        _admission(num_running=0, num_waiting=6).admit(1)
+    with pytest.raises(BadRequest) as exc:  # more samples than the whole queue: never admissible
+        idle.admit(5)
+    assert (exc.value.status, exc.value.param, exc.value.code) == (400, "n", "too_many_samples")
+    assert exc.value.message.startswith("n")
+    assert full.metrics.reasons == ["overloaded"] and idle.metrics.reasons == ["too_many_samples"]
+    assert _admission(0, 10**6, max_queue=None).admit(10**6) is not None  # no limit
+
+
+def test_server_config_limits_are_validated():
+    import pytest
+
+    for field, bad in (("max_prompts_per_request", 0), ("max_messages", 0), ("max_connections", 0),
+                       ("stream_write_timeout", 0), ("body_read_timeout", -1.0), ("keep_alive_timeout", 0),
+                       ("body_read_timeout", float("nan")), ("max_queue", 0)):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            ServerConfig(**{field: bad})

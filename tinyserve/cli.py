@@ -211,43 +211,96 @@ def _add_bench_parser(sub) -> None:
     offline.set_defaults(func=cmd_bench_offline, dtype="bfloat16")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import os
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key-file (its stripped contents), else $TINYSERVE_API_KEY, else None (no authentication).
+    Never from the command line itself: arguments are visible to every user in `ps`."""
+    if args.api_key is not None:
+        raise ValueError("--api-key was removed (a key on the command line is visible in `ps`): "
+                         "use --api-key-file PATH or $TINYSERVE_API_KEY")
+    if args.api_key_file is None:
+        return os.environ.get("TINYSERVE_API_KEY") or None
+    path = Path(args.api_key_file)
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise ValueError(f"api_key_file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"api_key_file {str(path)!r} cannot be read: {getattr(exc, 'strerror', None) or exc}"
+                         ) from None
+    if not key:
+        raise ValueError(f"api_key_file {str(path)!r} is empty")
+    return key
 
+
+def server_config_from_args(args: argparse.Namespace):
     from tinyserve.config import ServerConfig
-    from tinyserve.server.launcher import serve
 
-    config = ServerConfig(
+    return ServerConfig(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
-        api_key=args.api_key or os.environ.get("TINYSERVE_API_KEY") or None, max_queue=args.max_queue,
+        api_key=api_key_from(args), max_queue=args.max_queue,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
         stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
+        max_prompts_per_request=args.max_prompts_per_request, max_messages=args.max_messages,
+        allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        stream_write_timeout=args.stream_write_timeout, body_read_timeout=args.body_read_timeout,
+        max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout,
     )
-    return serve(engine_config_from_args(args), config, args.log_level)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinyserve.server.launcher import serve
+
+    return serve(engine_config_from_args(args), server_config_from_args(args), args.log_level)
 
 
 def _add_serve_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                           description="Exit codes: 0 after SIGTERM / SIGINT and a drain (also while the model "
+                           "is still loading), 1 if the model or a setting is bad, 3 if the port cannot be "
+                           "bound, 128+N when a second signal N cut the drain short.")
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model); the first is reported")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes "
-                   "(default: $TINYSERVE_API_KEY; /health, /metrics and /version stay open)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer KEY' on the API routes, KEY being this file's stripped "
+                        "contents (default: $TINYSERVE_API_KEY; /health, /metrics and /version stay open)")
+    # the old flag put the key in `ps`; kept hidden only to refuse it clearly (and so that argparse does not
+    # take it as an abbreviation of --api-key-file)
+    g.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
     g.add_argument("--max-queue", type=lambda s: None if s.lower() == "none" else int(s), default=256,
-                   metavar="N", help="waiting sequences beyond which new requests get 503 ('none': no limit)")
+                   metavar="N", help="waiting sequences beyond which new requests get 503 ('none': no limit); "
+                                     "a request of more samples (prompts x n) than this gets 400")
     g.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="abort a request this many seconds after its arrival (default: never)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM/SIGINT, in-flight requests get this long to finish before being aborted")
+                   help="on SIGTERM/SIGINT, in-flight requests get this long to finish before being aborted; "
+                        "a second signal aborts them at once")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     g.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="enable CORS for these origins ('*' for any); off by default")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="S",
                    help="/health is 503 when work is pending and no step has finished for this long")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
+    limits = serve.add_argument_group("request and connection limits")
+    limits.add_argument("--max-prompts-per-request", type=int, default=64, metavar="N",
+                        help="prompts in one completion request; more get 400")
+    limits.add_argument("--max-messages", type=int, default=1024, metavar="N",
+                        help="messages in one chat request; more get 400")
+    limits.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                        help="render special-token text in chat messages (e.g. '<|im_start|>') as control "
+                             "tokens instead of plain text: trusted clients only, it lets a message forge turns")
+    limits.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="S",
+                        help="a stream whose client reads nothing for this long is aborted")
+    limits.add_argument("--body-read-timeout", type=float, default=30.0, metavar="S",
+                        help="a request's headers, and then its body, must arrive within this long (else the "
+                             "connection is closed; a late body gets 408)")
+    limits.add_argument("--max-connections", type=int, default=2048, metavar="N",
+                        help="concurrent connections; requests beyond it get 503")
+    limits.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                        help="close a connection that has sent nothing for this long between requests")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve, log_level="info")
 

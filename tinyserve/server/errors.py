@@ -44,6 +44,19 @@ class PayloadTooLarge(APIError):
     status, type = 413, "invalid_request_error"
 
 
+class HeadersTooLarge(APIError):
+    status, type = 431, "invalid_request_error"
+
+
+class RequestBodyTimeout(APIError):
+    """The client did not send its whole body in time (slowloris): answered, then the connection closes."""
+
+    status, type = 408, "invalid_request_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="body_timeout", headers={"Connection": "close"})
+
+
 class ServiceUnavailable(APIError):
     status, type = 503, "service_unavailable_error"
 

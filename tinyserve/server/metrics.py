@@ -95,7 +95,8 @@ class ServerMetrics:
                                          label, registry=reg).labels(model_name)
         self._success = Counter("tinyserve:request_success", "Finished requests by finish reason.",
                                 label + ["finished_reason"], registry=reg)
-        self._rejected = Counter("tinyserve:request_rejected", "Requests refused before the engine (503).",
+        self._rejected = Counter("tinyserve:request_rejected",
+                                 "Requests refused by admission (503, or 400 too_many_samples).",
                                  label + ["reason"], registry=reg)
         self.model_name = model_name
         self._last_token_time: dict[tuple[str, int], float] = {}  # engine thread only

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware around every request: the request id and the body size limit.
+"""Pure ASGI middleware around every request: the request id, the body size limit and the body deadline.
 
 Pure ASGI rather than BaseHTTPMiddleware, which would buffer streaming responses and hide the client's
 disconnect from the endpoint.
@@ -6,13 +6,14 @@ disconnect from the endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tinyserve.server.errors import PayloadTooLarge, error_response, internal_error
+from tinyserve.server.errors import PayloadTooLarge, RequestBodyTimeout, error_response, internal_error
 
 logger = logging.getLogger(__name__)
 _VALID_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")  # echoed into a header and logs: no spaces or control chars
@@ -20,11 +21,14 @@ _VALID_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")  # echoed into a header and logs
 
 class RequestContextMiddleware:
     """Echoes a sane `X-Request-Id` (or makes one), stores it in scope state, answers 413 for a body over
-    `max_body_bytes` (at once from Content-Length, or as soon as a chunked body crosses the limit), and
-    turns any exception that escaped the app into a 500 naming the request id."""
+    `max_body_bytes` (at once from Content-Length, or as soon as a chunked body crosses the limit), 408 for
+    a body not all received within `body_read_timeout` seconds of the request's start (a slowloris peer
+    holds a connection and its buffer otherwise), and turns any exception that escaped the app into a 500
+    naming the request id. Both limits are raised from the app's receive, so the app's error handler
+    answers them; a body the app never reads is the launcher's to cut off (it closes the connection)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout: float = 30.0):
+        self.app, self.max_body_bytes, self.body_read_timeout = app, max_body_bytes, body_read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -47,15 +51,27 @@ class RequestContextMiddleware:
         if length.isdigit() and int(length) > self.max_body_bytes:
             await error_response(too_large)(scope, receive, send_with_id)
             return
-        received = 0
+        too_slow = RequestBodyTimeout(f"the request body was not received within {self.body_read_timeout:g}s")
+        received, is_body_done = 0, False
+        loop = asyncio.get_running_loop()
+        body_deadline = loop.time() + self.body_read_timeout
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, is_body_done
+            if is_body_done:  # only http.disconnect is left to wait for, for as long as the response lasts
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, body_deadline - loop.time()))
+            except asyncio.TimeoutError:
+                logger.info("request %s: body not received within %gs", request_id, self.body_read_timeout)
+                raise too_slow from None  # answered by the app's error handler, with Connection: close
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise too_large  # the app's error handler turns it into the 413 response
+                is_body_done = not message.get("more_body", False)
+            else:
+                is_body_done = True  # http.disconnect: nothing more will come
             return message
 
         started = False

@@ -3,7 +3,10 @@
 One ServerState per app. The model loads in a worker thread after the socket is bound, so /health can
 say 503 while it loads; a short warm-up generation runs before the phase becomes ready. Draining (on
 SIGTERM / SIGINT) refuses new work with 503, lets in-flight requests finish for up to shutdown_timeout
-seconds, then aborts the rest: their streams end with finish_reason "abort" and `[DONE]`.
+seconds, then aborts the rest: their streams end with finish_reason "abort" and `[DONE]`, from the
+engine if it applies the aborts within ABORT_GRACE_S, else ended on the event loop (a hung step).
+`hurry()` (a second signal) cuts the wait short. Closing stops the engine thread with a bounded join, so
+a hung step delays the exit by at most ENGINE_JOIN_TIMEOUT_S after the drain.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Literal
 from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.engine.stats import EngineStats
-from tinyserve.server.errors import ServiceUnavailable
+from tinyserve.server.errors import BadRequest, ServiceUnavailable
 from tinyserve.server.logprobs import TokenTexts
 from tinyserve.server.metrics import ServerMetrics
 from tinyserve.types import SamplingParams
@@ -25,6 +28,8 @@ from tinyserve.types import SamplingParams
 logger = logging.getLogger(__name__)
 Phase = Literal["loading", "ready", "draining", "stopped", "failed"]
 WARMUP_PROMPT = "Hello"
+ABORT_GRACE_S = 2.0  # after abort_all, time for the final outputs and [DONE] to reach the clients
+ENGINE_JOIN_TIMEOUT_S = 5.0  # a hung step is abandoned (daemon thread) after this long
 
 
 class ServerState:
@@ -44,6 +49,8 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # set by the launcher: exit when loading fails
         self._engine_factory = engine_factory
         self._load_task: asyncio.Task | None = None
+        self._is_hurried = False  # a second signal: abort in-flight requests now instead of waiting
+        self._is_closed = False
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -52,7 +59,8 @@ class ServerState:
 
     async def _load(self) -> None:
         try:
-            engine = await AsyncEngine.launch(self._build_engine)  # built on the thread that steps it
+            # built on the thread that steps it
+            engine = await AsyncEngine.launch(self._build_engine, stall_timeout=self.config.stall_timeout)
             llm_engine = engine.engine
             self.max_model_len = llm_engine.max_model_len
             self.engine = engine
@@ -103,19 +111,25 @@ class ServerState:
             raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
         return self.engine
 
-    def admit(self) -> AsyncEngine:
-        """Called before any parsing or tokenization: refuses at once when the queue is full."""
+    def admit(self, num_samples: int = 1) -> AsyncEngine:
+        """Called before any parsing or tokenization: refuses at once when the queue is full. A request
+        counts all its samples (prompts x n): 503 when they would push the waiting samples past max_queue
+        (samples that free batch slots will take at the next step do not count as waiting), 400 when
+        they alone exceed it, since such a request could never be admitted."""
         try:
             engine = self.check_ready()
             limit = self.config.max_queue
             if limit is not None:
-                stats = engine.stats
-                free_slots = max(0, self.engine_config.scheduler.max_num_seqs - stats.num_running)
-                if engine.num_waiting - free_slots >= limit:
+                if num_samples > limit:
+                    raise BadRequest(f"n: the request asks for {num_samples} samples (prompts x n), more than "
+                                     f"this server queues ({limit}); send fewer prompts or a smaller n",
+                                     param="n", code="too_many_samples")
+                free_slots = max(0, self.engine_config.scheduler.max_num_seqs - engine.stats.num_running)
+                if engine.num_waiting - free_slots + num_samples > limit:
                     raise ServiceUnavailable(
                         f"the server is overloaded ({engine.num_waiting} sequences waiting, limit {limit}); "
                         "retry later", code="overloaded")
-        except ServiceUnavailable as exc:
+        except (ServiceUnavailable, BadRequest) as exc:
             if self.metrics is not None:
                 self.metrics.rejected(exc.code)
             raise
@@ -133,7 +147,8 @@ class ServerState:
     # ---- shutdown ----------------------------------------------------------------------------------
 
     async def drain(self) -> None:
-        """Refuse new work; wait for in-flight requests up to shutdown_timeout; abort what is left."""
+        """Refuse new work; wait for in-flight requests up to shutdown_timeout (or until `hurry()`);
+        abort what is left and give its final outputs ABORT_GRACE_S to reach the clients."""
         if self.phase in ("draining", "stopped"):
             return
         self.phase = "draining"
@@ -142,19 +157,31 @@ class ServerState:
             return
         deadline = time.monotonic() + self.config.shutdown_timeout
         logger.info("draining: %d requests in flight, up to %.0fs", engine.num_in_flight, self.config.shutdown_timeout)
-        while engine.num_in_flight and time.monotonic() < deadline and engine.is_alive:
+        while engine.num_in_flight and time.monotonic() < deadline and engine.is_alive and not self._is_hurried:
             await asyncio.sleep(0.05)
         if engine.num_in_flight:
-            logger.warning("aborting %d requests still in flight after the shutdown timeout", engine.num_in_flight)
-            engine.abort_all()
-            end = time.monotonic() + 5.0  # their final outputs and [DONE] still have to reach the clients
-            while engine.num_in_flight and time.monotonic() < end and engine.is_alive:
+            why = "on a second signal" if self._is_hurried else "after the shutdown timeout"
+            logger.warning("aborting %d requests still in flight %s", engine.num_in_flight, why)
+            engine.abort_all()  # a working engine applies these at its next step, final outputs and all
+            end = time.monotonic() + ABORT_GRACE_S
+            while (engine.num_in_flight and time.monotonic() < end and engine.is_alive
+                   and not engine.is_stalled(ABORT_GRACE_S / 2)):  # a hung step will never get there
                 await asyncio.sleep(0.02)
+        if engine.num_in_flight:
+            engine.cancel_all()  # ends the streams here with finish_reason abort, whatever the engine does
+
+    def hurry(self) -> None:
+        """Stop waiting for in-flight requests: a running drain aborts them at once."""
+        self._is_hurried = True
 
     async def close(self) -> None:
+        """Drain, then stop the engine (idempotent); a hung step is abandoned after ENGINE_JOIN_TIMEOUT_S."""
         await self.drain()
+        if self._is_closed:
+            return
+        self._is_closed = True
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+            await asyncio.to_thread(self.engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
         self.phase = "stopped"
