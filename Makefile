@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve generate test test-all
+.PHONY: setup serve generate test test-reliability test-all
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ generate: setup
 
 test: setup
 	$(VENV)/bin/pytest -q
+
+# the hardening suite's long runs (chaos, slow readers, shutdown matrix); .ci/run runs them after `test`
+test-reliability: setup
+	$(VENV)/bin/pytest -q -m reliability
 
 test-all: setup
 	$(VENV)/bin/pytest -q -m ''

@@ -11,6 +11,11 @@ back through `loop.call_soon_threadsafe`, one call per step.
 Why: each thread that runs a parallel op gets its own OpenMP team, and once libgomp manages more
 threads than there are cores it stops spinning between parallel regions; a 2-core server that loaded
 its model on one thread and stepped it on another took 40 ms per batch-1 step instead of 26.
+
+Bounds, so that no client can hold the server: each stream's buffer is bounded (engine/request_stream.py:
+a reader that falls behind pauses its request), a stream can be ended on the event loop without the engine
+thread (deadlines hold while a step hangs), and a watchdog thread fails every open stream once one step has
+run longer than `stall_timeout`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.request_stream import RequestStream
 from tinyserve.engine.stats import EngineStats
 from tinyserve.types import FinishReason, RequestOutput, SamplingParams
 
@@ -30,7 +36,14 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine cannot serve: it failed, was stopped, or is stuck (EngineStalledError). The message is
+    safe to show a client: the cause is logged, not carried."""
+
+    code = "engine_dead"
+
+
+class EngineStalledError(EngineDeadError):
+    code = "engine_stalled"
 
 
 @dataclass
@@ -40,11 +53,18 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Pause:
+    request_id: str
+    paused: bool
 
 
 @dataclass(frozen=True)
@@ -58,49 +78,27 @@ class LoopStats:
     max_gap_seconds: float  # longest time between the end of one step and the start of the next
 
 
-class RequestStream:
-    """The outputs of one submitted request, all n samples interleaved, as an async iterator that ends
-    when every sample has finished. `close()` (idempotent) aborts the request if it has not finished;
-    every stream must be closed, or iterated to its end, so the engine forgets it."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, num_samples: int):
-        self._engine, self.request_id, self._queue = engine, request_id, queue
-        self._remaining = num_samples
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._remaining:
-            self.close()
-            raise StopAsyncIteration
-        out = await self._queue.get()
-        if isinstance(out, BaseException):  # the engine died, or refused the request: nothing to abort
-            self._remaining = 0
-            self.close()
-            raise out
-        self._remaining -= out.finished
-        return out
-
-    def close(self) -> None:
-        self._engine._close_stream(self.request_id, finished=not self._remaining)
-
-
 class AsyncEngine:
     """Owns the engine thread. Invariant: a stream in `_streams` gets every output of its request and
-    then ends, or gets an exception (engine dead or stopped); it is removed by its consumer."""
+    then ends, or gets an exception (engine dead, stopped or stalled); it is removed by its consumer (or
+    by `cancel()`). Registration and failing all streams hold `_streams_lock`, so a stream registered
+    just as the engine dies is either refused or failed, never left waiting."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Pause] = []
         self._num_unapplied = 0  # samples posted in the inbox and not yet in engine.stats().num_waiting
         self._wake = threading.Condition()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
+        self._streams_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stopped = threading.Event()
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()  # last step that ran (or idle moment)
+        self._busy_since: float | None = None  # monotonic start of the iteration now running, if any
+        self._is_stall_reported = False
         self.stats: EngineStats = engine.stats()
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []  # engine thread, each final output
         # engine thread, once per step with all its outputs and the time they were produced (monotonic)
@@ -109,11 +107,10 @@ class AsyncEngine:
         self._num_loop_steps = 0
         self._last_step_end: float | None = None
 
-    # ---- lifecycle ---------------------------------------------------------------------------------
-
     @classmethod
-    async def launch(cls, build: Callable[[], LLMEngine]) -> AsyncEngine:
-        """Build an engine with `build` on a new engine thread and run its step loop there."""
+    async def launch(cls, build: Callable[[], LLMEngine], stall_timeout: float | None = None) -> AsyncEngine:
+        """Build an engine with `build` on a new engine thread and run its step loop there; with a
+        `stall_timeout`, a watchdog fails every open stream once a step has run that long."""
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[AsyncEngine] = loop.create_future()
 
@@ -132,20 +129,25 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(settle, None, exc)
                 return
             engine._thread = threading.current_thread()
+            if stall_timeout is not None:
+                threading.Thread(target=engine._watch, args=(stall_timeout,), name="tinyserve-watchdog",
+                                 daemon=True).start()
             loop.call_soon_threadsafe(settle, engine, None)
             engine._run()
 
         threading.Thread(target=main, name="tinyserve-engine", daemon=True).start()
         return await ready
 
-    def stop(self) -> None:
-        """Stop the loop after its current step; streams still open get EngineDeadError."""
+    def stop(self, join_timeout: float = 5.0) -> None:
+        """Stop the loop after its current step; streams still open get EngineDeadError. Waits at most
+        `join_timeout` seconds for a step in progress (a hung one is left to the daemon thread)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._fail_all(EngineDeadError("engine stopped"))
+        self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_timeout)
+        self._fail_all(EngineDeadError("the engine stopped"))
 
     @property
     def is_alive(self) -> bool:
@@ -153,8 +155,9 @@ class AsyncEngine:
                 and self._thread.is_alive())
 
     def is_stalled(self, timeout: float) -> bool:
-        """Work is pending but no step has finished for `timeout` seconds."""
-        return bool(self._streams) and time.monotonic() - self.last_progress > timeout
+        """One iteration of the loop (a step) has been running for more than `timeout` seconds."""
+        busy_since = self._busy_since
+        return busy_since is not None and time.monotonic() - busy_since > timeout
 
     @property
     def num_in_flight(self) -> int:
@@ -170,28 +173,29 @@ class AsyncEngine:
     def loop_stats(self) -> LoopStats:
         return LoopStats(self._num_loop_steps, self._step_s, self._overhead_s, self._max_gap_s)
 
-    # ---- requests ----------------------------------------------------------------------------------
-
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+               priority: int = 0, arrival_time: float | None = None,
+               cache_salt: str | None = None) -> RequestStream:
         """Queue a request now (synchronously, from the event loop's thread) and return its stream.
         Raises ValueError (the engine's validation) or EngineDeadError before anything is queued."""
-        if not self.is_alive:
-            raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.engine.validate(prompt_token_ids, params)  # reads config only: safe from this thread
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        stream = RequestStream(self, request_id, params.n)
+        with self._streams_lock:
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._post(_Add(request_id, prompt_token_ids, params, priority, arrival))
-        return RequestStream(self, request_id, queue, params.n)
+        self._post(_Add(request_id, prompt_token_ids, params, priority, arrival, cache_salt))
+        return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival_time: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (all n samples interleaved) until every sample has finished.
         Closing the iterator early (client gone) aborts the request."""
-        stream = self.submit(request_id, prompt_token_ids, params, priority, arrival_time)
+        stream = self.submit(request_id, prompt_token_ids, params, priority, arrival_time, cache_salt)
         try:
             async for out in stream:
                 yield out
@@ -199,8 +203,14 @@ class AsyncEngine:
             stream.close()
 
     def _close_stream(self, request_id: str, finished: bool) -> None:
-        if self._streams.pop(request_id, None) is not None and not finished:
+        with self._streams_lock:
+            entry = self._streams.pop(request_id, None)
+        if entry is not None and not finished:
             self._post(_Abort(request_id))
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Stop (or restart) generating for a request whose reader has fallen behind."""
+        self._post(_Pause(request_id, paused))
 
     def abort(self, request_id: str) -> None:
         """Finish the request with FinishReason.ABORT at the next step; its stream gets the final outputs."""
@@ -210,14 +220,22 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._post(_Abort(request_id))
 
-    def _post(self, item: _Add | _Abort) -> None:
+    def cancel_all(self) -> None:
+        """End every open stream now with finish_reason abort, even while a step hangs (shutdown); the
+        engine aborts their requests when its thread gets there."""
+        with self._streams_lock:
+            entries = list(self._streams.values())
+        for loop, stream in entries:
+            _call_soon_fn(loop, stream.cancel)
+
+    def _post(self, item: _Add | _Abort | _Pause) -> None:
         with self._wake:
             self._inbox.append(item)
             if isinstance(item, _Add):
                 self._num_unapplied += item.params.n
             self._wake.notify()
 
-    # ---- the engine thread --------------------------------------------------------------------------
+    # the engine thread
 
     def _run(self) -> None:
         try:
@@ -230,13 +248,17 @@ class AsyncEngine:
                     if self._stopping:
                         return
                     inbox, self._inbox = self._inbox, []
+                self._busy_since = time.monotonic()
                 self._iterate(inbox)
+                self._busy_since = None
         except BaseException as exc:  # noqa: BLE001 - any escape kills the loop: report it everywhere
             logger.exception("engine loop died")
-            self.error = exc
-            self._fail_all(EngineDeadError(f"engine failed: {exc!r}"))
+            self._busy_since = None  # dead, not stalled
+            with self._streams_lock:
+                self.error = exc
+            self._fail_all(EngineDeadError("the engine failed"))
 
-    def _iterate(self, inbox: list[_Add | _Abort]) -> None:
+    def _iterate(self, inbox: list[_Add | _Abort | _Pause]) -> None:
         """Apply the inbox, run one step if there is work, publish stats and outputs."""
         start = time.perf_counter()
         outputs = self._apply(inbox)
@@ -255,24 +277,31 @@ class AsyncEngine:
         self._deliver(outputs)
         self._overhead_s += time.perf_counter() - start - step_s
 
-    def _apply(self, inbox: list[_Add | _Abort]) -> list[RequestOutput]:
+    def _apply(self, inbox: list[_Add | _Abort | _Pause]) -> list[RequestOutput]:
         outputs = []
         num_added = 0
         for item in inbox:
             if isinstance(item, _Abort):
                 outputs += self.engine.abort(item.request_id)
-                continue
-            num_added += item.params.n
-            try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
-                                        item.priority, item.arrival_time)
-            except ValueError as exc:  # validated before, so only a race (e.g. duplicate id) lands here
-                self._deliver_error(item.request_id, exc)
+            elif isinstance(item, _Pause):
+                self.engine.set_paused(item.request_id, item.paused)
+            else:
+                num_added += item.params.n
+                self._add(item)
         if num_added:
             self.stats = self.engine.stats()  # the new samples now count in stats.num_waiting
             with self._wake:
                 self._num_unapplied -= num_added
         return outputs
+
+    def _add(self, item: _Add) -> None:
+        if item.request_id not in self._streams:  # its client left (or its deadline passed) while queued
+            return
+        try:
+            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority,
+                                    item.arrival_time, item.cache_salt)
+        except ValueError as exc:  # validated before, so only a race (e.g. duplicate id) lands here
+            self._deliver_error(item.request_id, exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -280,9 +309,9 @@ class AsyncEngine:
             if out.finished:
                 for listener in self.finished_listeners:
                     listener(out)
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
         for loop, items in by_loop.items():
             _call_soon(loop, items)
         if outputs:
@@ -291,25 +320,53 @@ class AsyncEngine:
                 listener(outputs, now)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            _call_soon(stream[0], [(stream[1], exc)])
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            _call_soon(entry[0], [(entry[1], exc)])
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._deliver_error(request_id, exc)
+        with self._streams_lock:
+            entries = list(self._streams.items())
+        for request_id, (loop, stream) in entries:
+            _call_soon(loop, [(stream, exc)])
+
+    # the watchdog thread
+
+    def _watch(self, stall_timeout: float) -> None:
+        """Fails the open streams (with an abort posted for each, so their blocks are freed once the
+        engine moves again) when one step has run longer than `stall_timeout`; /health reads the same
+        condition through `is_stalled`."""
+        while not self._stopped.wait(min(1.0, stall_timeout / 4)) and self.error is None:
+            if not self.is_stalled(stall_timeout):
+                self._is_stall_reported = False
+                continue
+            if not self._is_stall_reported:
+                logger.error("engine stalled: one step has run for over %.0fs", stall_timeout)
+                self._is_stall_reported = True
+            with self._streams_lock:
+                request_ids = list(self._streams)
+            for request_id in request_ids:
+                self._post(_Abort(request_id))
+            self._fail_all(EngineStalledError("the engine stalled"))
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, items: list) -> None:
     try:
-        loop.call_soon_threadsafe(_put_all, items)
+        loop.call_soon_threadsafe(_push_all, items)
     except RuntimeError:  # that event loop is closed: nobody is listening any more
         pass
 
 
-def _put_all(items: list) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _call_soon_fn(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # that event loop is closed
+        pass
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "FinishReason", "LoopStats", "RequestStream"]
+def _push_all(items: list) -> None:
+    for stream, item in items:
+        stream.push(item)
+
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStalledError", "FinishReason", "LoopStats", "RequestStream"]

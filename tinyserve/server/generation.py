@@ -1,10 +1,12 @@
 """One HTTP request's run through the engine, shared by completions and chat.
 
 A Generation owns one engine request per prompt and merges their outputs under OpenAI choice indices
-(prompt i, sample j -> i * n + j). Its deadline is counted from the request's arrival: when it passes,
-the engine aborts the request (blocks freed) and the outputs end with finish_reason "abort". A client
-that goes away closes the generation (streaming) or triggers `abort()` (non-streaming), which aborts
-the engine requests. When the run ends, one log line records it.
+(prompt i, sample j -> i * n + j). Its deadline is counted from the request's arrival and kept here, on
+the event loop: when it passes, every stream ends at once with finish_reason "abort" (a 504 when not
+streaming), even if the engine thread is stuck in a step; the engine frees the blocks when it gets to
+the abort. A client that goes away closes the generation (streaming) or triggers `abort()`
+(non-streaming), which aborts the engine requests. A streaming client that reads nothing for
+`write_timeout` seconds is cut off the same way. When the run ends, one log line records it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from dataclasses import dataclass, field
 import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from tinyserve.server.errors import APIError, Timeout
+from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
+from tinyserve.engine.request_stream import RequestStream
+from tinyserve.server.errors import APIError, ServiceUnavailable, Timeout
 from tinyserve.types import RequestOutput, SamplingParams, TokenLogprob
 
 request_log = logging.getLogger("tinyserve.requests")
@@ -46,10 +49,12 @@ class Generation:
     non-streaming path calls when it ends and the SSE response calls whatever happens to its body."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int, arrival_time: float, timeout: float | None, http_request_id: str = "-"):
+                 priority: int, arrival_time: float, timeout: float | None, http_request_id: str = "-",
+                 cache_salt: str | None = None):
         self.engine, self.request_id, self.prompts, self.params = engine, request_id, prompts, params
         self.http_request_id = http_request_id  # X-Request-Id: what the client can quote
         self.priority, self.arrival_time, self.timeout = priority, arrival_time, timeout
+        self.cache_salt = cache_salt
         self.choices = [Choice() for _ in range(len(prompts) * params.n)]
         self.timed_out = False
         self._streams: list[RequestStream] = []
@@ -65,7 +70,7 @@ class Generation:
         try:
             for engine_id, prompt in zip(ids, self.prompts, strict=True):
                 self._streams.append(self.engine.submit(engine_id, prompt, self.params, self.priority,
-                                                        self.arrival_time))
+                                                        self.arrival_time, self.cache_salt))
         except BaseException:
             self.close()
             raise
@@ -91,12 +96,16 @@ class Generation:
         for stream in self._streams:
             self.engine.abort(stream.request_id)
 
-    def engine_error(self, detail: str) -> APIError:
-        return APIError(f"generation failed: {detail} (request id {self.http_request_id})", code="engine_error")
+    def engine_error(self, exc: EngineDeadError | None = None) -> APIError:
+        """What the client is told when the engine failed this request (500) or cannot serve (503)."""
+        if exc is None:
+            return APIError(f"generation failed (request id {self.http_request_id})", code="engine_error")
+        return ServiceUnavailable(f"{exc} (request id {self.http_request_id})", code=exc.code, retry_after=5)
 
     def _on_timeout(self) -> None:
         self.timed_out = True
-        self.abort()
+        for stream in self._streams:
+            stream.cancel()
 
     def close(self) -> None:
         """Stop listening: unfinished engine requests are aborted and their blocks freed."""
@@ -195,14 +204,13 @@ async def run_to_end(generation: Generation, request: Request) -> None:
         async for _ in generation.outputs():  # closes the generation when it ends, however it ends
             pass
     except EngineDeadError as exc:
-        raise generation.engine_error(str(exc)) from None
+        raise generation.engine_error(exc) from None
     finally:
         watcher.cancel()
     if generation.timed_out and any(c.finish_reason == "abort" for c in generation.choices):
         raise Timeout(f"the request timed out after {generation.timeout:g}s", code="request_timeout")
-    errors = [c.error for c in generation.choices if c.error]
-    if errors:
-        raise generation.engine_error(errors[0])
+    if any(c.error for c in generation.choices):
+        raise generation.engine_error()
 
 
 async def event_stream(generation: Generation, head: dict, include_usage: bool,
@@ -220,11 +228,11 @@ async def event_stream(generation: Generation, head: dict, include_usage: bool,
             if item is not None:
                 yield sse({**head, "choices": [item], **extra})
             if out.error:
-                yield sse(generation.engine_error(out.error).body())
+                yield sse(generation.engine_error().body())
         if include_usage:
             yield sse({**head, "choices": [], "usage": generation.usage()})
     except EngineDeadError as exc:
-        yield sse(generation.engine_error(str(exc)).body())
+        yield sse(generation.engine_error(exc).body())
     except Exception:  # noqa: BLE001 - a bug mid-stream: the client still gets an error event and [DONE]
         logging.getLogger(__name__).exception("unexpected error in stream %s", generation.http_request_id)
         error = APIError(f"internal server error (request id {generation.http_request_id})", code="internal_error")
@@ -239,21 +247,29 @@ def sse(payload: dict) -> bytes:
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that listen for the client's disconnect for the whole stream, whatever ASGI
     version the server speaks, so a client gone while its request still waits is noticed at once: the
-    body iterator is cancelled, which closes the engine stream and aborts the request."""
+    body iterator is cancelled, which closes the engine stream and aborts the request. A client that
+    reads nothing makes a write wait (the transport's buffer is full); one that waits `write_timeout`
+    seconds ends the response the same way, so a stalled reader holds nothing for long."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 write_timeout: float | None = None):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_within_timeout(message: Message) -> None:
+            with anyio.fail_after(self.write_timeout):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away mid-write
+                        await self.stream_response(send if self.write_timeout is None else send_within_timeout)
+                    except OSError:  # the client went away mid-write, or stopped reading (TimeoutError)
                         pass
                     group.cancel_scope.cancel()
 

@@ -1,0 +1,83 @@
+"""One request's stream of outputs on the event loop, with a bounded buffer.
+
+A reader that falls behind pauses its request in the engine once `STREAM_HIGH_WATER` outputs per sample
+wait in its buffer, and resumes it when it has read the backlog down to `STREAM_LOW_WATER`: a client that
+stops reading holds its blocks, not a growing pile of outputs. `cancel()` ends a stream on the event
+loop at once, without waiting for the engine thread, so deadlines hold even while a step hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from tinyserve.types import FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from tinyserve.engine.async_engine import AsyncEngine
+
+STREAM_HIGH_WATER = 16  # buffered outputs per sample before the request is paused
+STREAM_LOW_WATER = 4  # ... and resumed
+
+
+class RequestStream:
+    """The outputs of one submitted request, all n samples interleaved, as an async iterator that ends
+    when every sample has finished. `close()` (idempotent) aborts the request if it has not finished;
+    every stream must be closed, or iterated to its end, so the engine forgets it.
+
+    Lives on its event loop's thread: the engine thread hands it outputs through `call_soon_threadsafe`.
+    Invariant: the consumer sees exactly one final output per sample, from the engine or from `cancel()`.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int):
+        self._engine, self.request_id = engine, request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num_samples = self._remaining = num_samples
+        self._finals_queued: set[int] = set()  # sample indices whose final output is in the queue (or read)
+        self._is_paused = False
+        self._is_cancelled = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._remaining:
+            self.close()
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if self._is_paused and self._queue.qsize() <= STREAM_LOW_WATER * self._num_samples:
+            self._is_paused = False
+            self._engine.set_paused(self.request_id, False)
+        if isinstance(out, BaseException):  # the engine died, or refused the request: nothing to abort
+            self._remaining = 0
+            self.close()
+            raise out
+        self._remaining -= out.finished
+        return out
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """Event loop thread: queue one item from the engine; pause the request when the reader lags."""
+        if self._is_cancelled:
+            return
+        self._queue.put_nowait(item)
+        if isinstance(item, RequestOutput) and item.finished:
+            self._finals_queued.add(item.index)
+        if not self._is_paused and self._queue.qsize() >= STREAM_HIGH_WATER * self._num_samples:
+            self._is_paused = True
+            self._engine.set_paused(self.request_id, True)
+
+    def cancel(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End the stream now, whatever the engine thread is doing: every sample without a final output
+        gets one with `reason`, later engine outputs are dropped, and the engine is asked to abort (its
+        blocks are freed when the engine thread gets there)."""
+        if self._is_cancelled:
+            return
+        self._engine._close_stream(self.request_id, finished=False)
+        for index in range(self._num_samples):
+            if index not in self._finals_queued:
+                self._queue.put_nowait(RequestOutput(self.request_id, index, "", [], reason))
+        self._finals_queued = set(range(self._num_samples))
+        self._is_cancelled = True
+
+    def close(self) -> None:
+        self._engine._close_stream(self.request_id, finished=not self._remaining)
