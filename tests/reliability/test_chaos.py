@@ -18,7 +18,7 @@ import pytest
 
 from .conftest import tiny_server
 
-# NOTE: `slow`, not yet `reliability` (which CI runs): not yet passing, see issue 14's note
+# NOTE: `slow`, not yet `reliability` (which CI runs): see issue 14's note for its status
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 1000

@@ -11,6 +11,7 @@ import logging
 import re
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinyserve.server.errors import PayloadTooLarge, RequestBodyTimeout, error_response, internal_error
@@ -83,6 +84,8 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, limited_receive, send_tracked)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing went wrong
+            logger.debug("client of request %s left before sending its body", request_id)
         except Exception:  # noqa: BLE001 - the one place a bug becomes a 500, logged once with its traceback
             logger.exception("unexpected error in request %s", request_id)
             if not started:
