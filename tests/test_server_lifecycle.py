@@ -3,6 +3,7 @@
 A second signal aborts the streams at once (exit 128 + its number), SIGTERM while loading exits 0 at
 once, a hung engine step delays the exit by a bounded time; and the API key never comes from argv."""
 
+import contextlib
 import json
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -61,12 +63,7 @@ class _Stream(threading.Thread):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero():
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tinyserve.cli", "serve", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--kv-cache-memory", "0.25", "--shutdown-timeout", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with _serving("--shutdown-timeout", "3") as (proc, base):
         seen = _wait_ready(base, proc)
         assert "503 loading" in seen
         short, long = _Stream(base, 12), _Stream(base, 1500)
@@ -88,17 +85,20 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
         assert proc.wait(timeout=30) == 0
         output = proc.stdout.read()
         assert "Traceback" not in output and "request finished" in output
+
+
+@contextlib.contextmanager
+def _serving(*args: str, cmd: list[str] = SERVE) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`cmd --port P *args` as a process, killed on the way out if it is still running."""
+    port = _free_port()
+    proc = subprocess.Popen([*cmd, "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _start(*args: str, cmd: list[str] = SERVE) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([*cmd, "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def _exit_code_within(proc: subprocess.Popen, seconds: float) -> int:
@@ -111,8 +111,7 @@ def _exit_code_within(proc: subprocess.Popen, seconds: float) -> int:
 
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM twice", "SIGTERM then SIGINT"])
 def test_a_second_signal_aborts_the_streams_at_once_and_exits_128_plus_its_number(second):
-    proc, base = _start("--shutdown-timeout", "60")
-    try:
+    with _serving("--shutdown-timeout", "60") as (proc, base):
         _wait_ready(base, proc)
         streams = [_Stream(base, 1500) for _ in range(2)]
         for s in streams:
@@ -129,15 +128,10 @@ def test_a_second_signal_aborts_the_streams_at_once_and_exits_128_plus_its_numbe
         assert time.monotonic() - start < 15
         output = proc.stdout.read()
         assert "Traceback" not in output and "aborting" in output
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_sigterm_while_the_model_loads_exits_zero_at_once():
-    proc, base = _start()
-    try:
+    with _serving() as (proc, base):
         seen, deadline = set(), time.monotonic() + 60
         while "503 loading" not in seen and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()
@@ -150,10 +144,6 @@ def test_sigterm_while_the_model_loads_exits_zero_at_once():
         proc.send_signal(signal.SIGTERM)
         assert _exit_code_within(proc, 10) == 0
         assert "Traceback" not in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # `tinyserve serve` whose engine step hangs (as in a wedged kernel) once the file argv[1] exists
@@ -173,8 +163,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 def test_a_hung_step_delays_the_exit_by_a_bounded_time(tmp_path):
     hang_file = tmp_path / "hang"
-    proc, base = _start("--shutdown-timeout", "2", cmd=[*HANGING_SERVE, str(hang_file), *SERVE[3:]])
-    try:
+    with _serving("--shutdown-timeout", "2", cmd=[*HANGING_SERVE, str(hang_file), *SERVE[3:]]) as (proc, base):
         _wait_ready(base, proc)
         stream = _Stream(base, 1500)
         stream.start()
@@ -188,10 +177,6 @@ def test_a_hung_step_delays_the_exit_by_a_bounded_time(tmp_path):
         assert _exit_code_within(proc, 2 + 10) == 0
         assert time.monotonic() - start < 2 + 10
         assert "Traceback" not in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _config(*argv: str):
