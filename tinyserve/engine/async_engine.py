@@ -226,7 +226,7 @@ class AsyncEngine:
         with self._streams_lock:
             entries = list(self._streams.values())
         for loop, stream in entries:
-            _call_soon_fn(loop, stream.cancel)
+            _call_soon(loop, stream.cancel)
 
     def _post(self, item: _Add | _Abort | _Pause) -> None:
         with self._wake:
@@ -313,7 +313,7 @@ class AsyncEngine:
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], out))
         for loop, items in by_loop.items():
-            _call_soon(loop, items)
+            _call_soon(loop, _push_all, items)
         if outputs:
             now = time.monotonic()
             for listener in self.step_listeners:
@@ -322,13 +322,13 @@ class AsyncEngine:
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         entry = self._streams.get(request_id)
         if entry is not None:
-            _call_soon(entry[0], [(entry[1], exc)])
+            _call_soon(entry[0], _push_all, [(entry[1], exc)])
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._streams_lock:
             entries = list(self._streams.items())
         for request_id, (loop, stream) in entries:
-            _call_soon(loop, [(stream, exc)])
+            _call_soon(loop, _push_all, [(stream, exc)])
 
     # the watchdog thread
 
@@ -350,17 +350,11 @@ class AsyncEngine:
             self._fail_all(EngineStalledError("the engine stalled"))
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, items: list) -> None:
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args) -> None:
+    """`fn(*args)` on that loop's thread, unless the loop is closed (nobody is listening any more)."""
     try:
-        loop.call_soon_threadsafe(_push_all, items)
-    except RuntimeError:  # that event loop is closed: nobody is listening any more
-        pass
-
-
-def _call_soon_fn(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
-    try:
-        loop.call_soon_threadsafe(fn)
-    except RuntimeError:  # that event loop is closed
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
         pass
 
 
