@@ -224,7 +224,14 @@ class BackgroundServer:
         self.app = build_app(engine_config, config, engine_factory)
         self.state: ServerState = self.app.state.server
         self.server = uvicorn.Server(_uvicorn_config(self.app, config, "warning"))
-        self.thread = threading.Thread(target=self.server.run, name="tinyserve-http", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="tinyserve-http", daemon=True)
+        self.thread_error: BaseException | None = None  # what ended the thread (uvicorn exits on a bind error)
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as exc:  # noqa: BLE001 - SystemExit included: start() reports it
+            self.thread_error = exc
 
     @property
     def base_url(self) -> str:
@@ -235,8 +242,10 @@ class BackgroundServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while self.state.phase == "loading" or not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError(f"server did not start: {self.state.load_error!r}")
+            if not self.thread.is_alive():
+                raise RuntimeError(f"server thread ended before it was ready: {self.thread_error!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready after {timeout:.0f} s (phase {self.state.phase})")
             time.sleep(0.05)
         if self.state.phase != "ready":
             raise RuntimeError(f"server failed to load: {self.state.load_error!r}")
