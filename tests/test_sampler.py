@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tinyserve.engine.sampler import Sampler, process_logits
+from tinyserve.engine.sampler import Sampler, _never_a_cut_token, process_logits
 from tinyserve.types import (
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,
@@ -217,6 +217,16 @@ def test_logit_bias_excludes_tokens_from_sampling():
     probs = torch.softmax(SMALL_LOGITS, dim=0)
     probs[:2] = 0
     assert_draws_follow(counts, probs)
+
+
+def test_a_draw_landing_on_a_zero_probability_step_takes_the_argmax():
+    """A parallel scan (CUDA) can leave a cut token's CDF a rounding step below its predecessor's: a
+    target there must not pick it. Row 0 drew its cut token 1 (CDF dips 0.5 -> 0.4999), row 1 a real one."""
+    cdf = torch.tensor([[0.5, 0.4999, 1.0], [0.2, 0.7, 1.0]])
+    logits = torch.tensor([[1.0, float("-inf"), 1.0], [0.0, 1.0, 0.5]])
+    ids = _never_a_cut_token(cdf, torch.tensor([[1], [1]]), logits)
+    assert ids.squeeze(1).tolist() == [0, 1]
+    assert _never_a_cut_token(cdf, torch.tensor([[0], [2]]), logits).squeeze(1).tolist() == [0, 2]
 
 
 def test_logprobs_match_raw_log_softmax_and_top_k_order():

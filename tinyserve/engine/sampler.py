@@ -2,9 +2,10 @@
 
 Per-request parameters become tensors once per step and every processor runs on the whole batch, in the
 order logit_bias -> repetition penalty -> presence/frequency penalties -> min_tokens -> temperature ->
-top-k -> top-p -> min-p. The draw is an exponential race: argmax(probs / q) with q ~ Exp(1) per token picks
-token i with probability probs[i]. Each row's noise is a plain [vocab] draw, so a seeded request draws its
-row from its own generator and gets the same tokens whatever else is in the batch and whatever its row.
+top-k -> top-p -> min-p. The draw inverts each row's CDF: with u ~ U(0, 1], the first token whose cumulative
+probability reaches u * total is token i with probability probs[i], and a token of probability 0 is never
+reached. One uniform per row (not one per vocabulary entry, as an exponential race needs), so a seeded
+request draws its own u from its own generator and gets the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class SamplerOutput:
 class Sampler:
     """Picks one token per row. Owns one generator per seeded request (keyed by request_id, created on its
     first draw on the logits' device, dropped by free() when the request finishes) and one shared generator
-    per device for unseeded rows. A seeded generator advances by one [vocab] draw per sampled token; the
-    engine never resamples a token (preemption recomputes KV only), so the stream stays in step."""
+    per device for unseeded rows. A seeded generator advances by one draw per sampled token; the engine
+    never resamples a token (preemption recomputes KV only), so the stream stays in step."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -60,22 +61,25 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1) if params.has_greedy else None
         if params.all_greedy:
             return greedy_ids
-        probs = logits.softmax(dim=-1)  # [batch, vocab], 0 on cut tokens
-        sampled_ids = probs.div_(self._exponential_noise(probs, requests)).argmax(dim=-1)
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [batch, vocab]; flat across cut tokens
+        targets = self._uniforms(requests, logits.device) * cdf[:, -1:]  # [batch, 1] in (0, total]
+        # the first index whose CDF reaches the target (left side); the clamp only guards rounding
+        sampled_ids = torch.searchsorted(cdf, targets).clamp_(max=cdf.shape[1] - 1)  # [batch, 1]
+        sampled_ids = _never_a_cut_token(cdf, sampled_ids, logits).squeeze(1)
         return sampled_ids if greedy_ids is None else torch.where(params.is_greedy, greedy_ids, sampled_ids)
 
-    def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """[batch, vocab] Exp(1) noise as -log(u), u ~ U[0, 1): one batched draw from the shared generator,
-        then each seeded row redrawn from its own generator. NOTE: uniform_ + log is ~6x cheaper than
-        exponential_ on CPU; u == 0 gives q == inf, which only makes that token lose the race."""
-        u = torch.empty_like(probs)
+    def _uniforms(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """[batch, 1] u ~ U(0, 1] (1 - U[0, 1), so a target is never 0, which would pick a leading
+        0-probability token): one batched draw from the shared generator, then each seeded row redrawn
+        from its own generator."""
+        u = torch.empty(len(requests), 1, device=device)
         p = [r.sampling_params for r in requests]
         own = [(i, r) for i, r in enumerate(requests) if p[i].seed is not None and not p[i].is_greedy]
         if len(own) < len(requests):  # greedy rows draw too, so u is never left uninitialized
-            u.uniform_(generator=self._shared_generator(probs.device))
+            u.uniform_(generator=self._shared_generator(device))
         for i, request in own:
-            u[i].uniform_(generator=self._request_generator(request, probs.device))
-        return u.log_().neg_()
+            u[i].uniform_(generator=self._request_generator(request, device))
+        return u.neg_().add_(1.0)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared_generators:
@@ -89,6 +93,19 @@ class Sampler:
             generator = torch.Generator(device=device).manual_seed(seed)
             self._request_generators[request.request_id] = generator
         return generator
+
+
+def _never_a_cut_token(cdf: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A drawn token must have probability > 0: its CDF step is positive. torch's CPU cumsum runs along
+    the row in order, accumulating in double, so the CDF never falls and this always holds there; a
+    parallel scan (CUDA) can dip by a rounding step where a cut token sits, and such a row takes its
+    argmax instead (never a cut token). Two gathers per row, and a sync the step pays anyway."""
+    step_end = cdf.gather(1, ids)
+    step_start = torch.where(ids > 0, cdf.gather(1, (ids - 1).clamp_(min=0)), 0.0)
+    has_mass = step_end > step_start  # [batch, 1]
+    if bool(has_mass.all()):
+        return ids
+    return torch.where(has_mass, ids, logits.argmax(dim=-1, keepdim=True))
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
