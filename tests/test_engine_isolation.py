@@ -218,7 +218,8 @@ def test_paused_running_request_gets_no_tokens_frees_its_blocks_and_resumes_exac
     assert all(len(tokens(outputs[("b", i)])) == before[("b", i)] for i in range(2)), "a paused sample got tokens"
     assert len(tokens(outputs[("a", 0)])) == before[("a", 0)] + 4
     assert [engine.block_manager.block_table(f"b#{i}") for i in range(2)] == [[], []]  # preempted: seat and blocks freed
-    assert engine.stats().num_running == 2 and engine.stats().num_waiting == 2
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_paused) == (2, 0, 2)
     engine.set_paused("b", False)
     engine.set_paused("unknown", True)  # no-op
     outputs_of(engine, outputs)
@@ -239,7 +240,7 @@ def test_paused_waiting_request_does_not_block_the_one_behind_it(tiny_loaded, ba
         if ("c", 0) in outputs and outputs[("c", 0)][-1].finished:
             break
     assert tokens(outputs.get(("c", 0), [])) == baseline[("c", 0)], "c waited behind the paused request"
-    assert ("a", 0) not in outputs and engine.stats().num_waiting == 1 and engine.step() == []
+    assert ("a", 0) not in outputs and engine.stats().num_paused == 1 and engine.step() == []
     engine.set_paused("a", False)
     outputs_of(engine, outputs)
     assert tokens(outputs[("a", 0)]) == baseline[("a", 0)] and tokens(outputs[("c", 0)]) == baseline[("c", 0)]

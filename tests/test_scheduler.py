@@ -413,7 +413,7 @@ def test_waiting_queue_at_scale_keeps_order_without_linear_work():
     paused = rng.sample(sorted(keys), 2_000)
     for request_id in paused:
         scheduler.set_paused(request_id, True)
-    assert scheduler.num_waiting == 10_000
+    assert (scheduler.num_waiting, scheduler.num_paused) == (8_000, 2_000)
     for request_id in paused[:1_000]:
         scheduler.set_paused(request_id, False)
     still_paused = set(paused[1_000:])
@@ -431,7 +431,8 @@ def test_paused_waiting_request_blocks_nobody_and_resumes_in_its_place():
     scheduler.set_paused("a", True)
     runner = FakeRunner(scheduler)
     output, _ = runner.step()
-    assert [r.request_id for r, _ in output.scheduled] == ["b"] and scheduler.num_waiting == 2
+    assert [r.request_id for r, _ in output.scheduled] == ["b"]
+    assert (scheduler.num_waiting, scheduler.num_paused) == (1, 1)  # a holds no place in admission's queue
     scheduler.set_paused("a", False)
     order = [o.scheduled[0][0].request_id for o in runner.run()]
     assert order == ["b", "a", "a", "c", "c"]
@@ -455,8 +456,9 @@ def test_paused_running_request_is_preempted_and_recomputes_when_resumed():
         output, _ = runner.step()
         assert [r.request_id for r, _ in output.scheduled] == ["b"]  # paused: a is not re-admitted
     assert b.output_token_ids == reference(prompt_of(8, 30), 12)
-    assert scheduler.num_waiting == 1 and runner.step()[0].is_empty
+    assert (scheduler.num_waiting, scheduler.num_paused) == (0, 1) and runner.step()[0].is_empty
     scheduler.set_paused("a", False)
     runner.run()
     assert a.output_token_ids == reference(prompt_of(8, 0), 12)
     assert_all_free(scheduler)
+

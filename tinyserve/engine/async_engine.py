@@ -241,7 +241,7 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._inbox and not self.engine.has_unfinished_requests() and not self._stopping:
+                    while not self._inbox and not self.engine.has_schedulable_requests() and not self._stopping:
                         self.last_progress = time.monotonic()
                         self._last_step_end = None
                         self._wake.wait()
@@ -263,7 +263,7 @@ class AsyncEngine:
         start = time.perf_counter()
         outputs = self._apply(inbox)
         step_s = 0.0
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_schedulable_requests():
             step_start = time.perf_counter()
             if self._last_step_end is not None:
                 self._max_gap_s = max(self._max_gap_s, step_start - self._last_step_end)

@@ -142,6 +142,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_schedulable_requests(self) -> bool:
+        """Unfinished requests that are not all paused: a step now would do something."""
+        return self.scheduler.has_schedulable_requests()
+
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -240,4 +244,5 @@ class LLMEngine:
             prefix_cache_hits=prefix.num_hit_tokens,
             num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests,
+            num_paused=self.scheduler.num_paused,
         )

@@ -1,8 +1,10 @@
 """One request's stream of outputs on the event loop, with a bounded buffer.
 
 A reader that falls behind pauses its request in the engine once `STREAM_HIGH_WATER` outputs per sample
-wait in its buffer, and resumes it when it has read the backlog down to `STREAM_LOW_WATER`: a client that
-stops reading holds its blocks, not a growing pile of outputs. `cancel()` ends a stream on the event
+wait in its buffer, or at once when the reader says its own writes are blocked (its client stopped
+reading and the socket's buffers are full), and resumes it when its writes flow again and it has read the
+backlog down to `STREAM_LOW_WATER`: a client that stops reading holds no seat and no blocks, and costs
+only the few steps its buffers took to fill. `cancel()` ends a stream on the event
 loop at once, without waiting for the engine thread, so deadlines hold even while a step hangs.
 """
 
@@ -35,6 +37,7 @@ class RequestStream:
         self._num_samples = self._remaining = num_samples
         self._finals_queued: set[int] = set()  # sample indices whose final output is in the queue (or read)
         self._is_paused = False
+        self._is_reader_blocked = False
         self._is_cancelled = False
 
     def __aiter__(self) -> RequestStream:
@@ -45,9 +48,8 @@ class RequestStream:
             self.close()
             raise StopAsyncIteration
         out = await self._queue.get()
-        if self._is_paused and self._queue.qsize() <= STREAM_LOW_WATER * self._num_samples:
-            self._is_paused = False
-            self._engine.set_paused(self.request_id, False)
+        if self._is_paused:
+            self._update_pause()
         if isinstance(out, BaseException):  # the engine died, or refused the request: nothing to abort
             self._remaining = 0
             self.close()
@@ -62,9 +64,23 @@ class RequestStream:
         self._queue.put_nowait(item)
         if isinstance(item, RequestOutput) and item.finished:
             self._finals_queued.add(item.index)
-        if not self._is_paused and self._queue.qsize() >= STREAM_HIGH_WATER * self._num_samples:
+        if not self._is_paused:
+            self._update_pause()
+
+    def set_reader_blocked(self, blocked: bool) -> None:
+        """Event loop thread: the reader's writes wait (True) or flow again (False)."""
+        self._is_reader_blocked = blocked
+        if not self._is_cancelled:
+            self._update_pause()
+
+    def _update_pause(self) -> None:
+        backlog = self._queue.qsize()
+        if not self._is_paused and (self._is_reader_blocked or backlog >= STREAM_HIGH_WATER * self._num_samples):
             self._is_paused = True
             self._engine.set_paused(self.request_id, True)
+        elif self._is_paused and not self._is_reader_blocked and backlog <= STREAM_LOW_WATER * self._num_samples:
+            self._is_paused = False
+            self._engine.set_paused(self.request_id, False)
 
     def cancel(self, reason: FinishReason = FinishReason.ABORT) -> None:
         """End the stream now, whatever the engine thread is doing: every sample without a final output

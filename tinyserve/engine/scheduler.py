@@ -107,7 +107,14 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._queue) + len(self._paused_waiting)
+        """Requests the next steps may schedule. Paused ones are not counted: they hold no seat and no
+        block, and are bounded by their stream's write timeout, so they must not fill admission's queue."""
+        return len(self._queue)
+
+    @property
+    def num_paused(self) -> int:
+        """Paused requests set aside while waiting (a running one that is paused is preempted into them)."""
+        return len(self._paused_waiting)
 
     @property
     def waiting(self) -> list[Request]:
@@ -116,6 +123,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step now could do anything: False when every unfinished request is paused, so the
+        engine thread sleeps instead of spinning on empty steps until one is resumed or aborted."""
+        return bool(self.running or len(self._queue) or self._finished_ids or self._outgrown)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)

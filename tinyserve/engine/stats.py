@@ -19,3 +19,4 @@ class EngineStats:
     prefix_cache_hits: int  # of which found
     num_steps: int
     num_failed_requests: int = 0  # finished with FinishReason.ERROR since start-up
+    num_paused: int = 0  # set aside until their slow reader catches up; not in num_waiting

@@ -52,6 +52,7 @@ class _EngineStatsCollector:
         for name, doc, value in (
             ("num_requests_running", "Sequences in the running batch.", stats.num_running),
             ("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
+            ("num_requests_paused", "Sequences set aside until their slow reader catches up.", stats.num_paused),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage),
         ):
             gauge = GaugeMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
