@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120) -> set[str]:
+def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> set[str]:
     """The /health statuses seen until it says ok."""
     seen, deadline = set(), time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,8 +18,7 @@ import pytest
 
 from .conftest import tiny_server
 
-# NOTE: `slow`, not yet `reliability` (which CI runs): see issue 14's note for its status
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.reliability  # ~2 minutes: CI runs it after the default suite
 
 NUM_REQUESTS = 1000
 RATE_PER_S = 50.0

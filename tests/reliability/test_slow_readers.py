@@ -18,9 +18,6 @@ import pytest
 
 from .conftest import TINY_ENGINE, tiny_server
 
-# NOTE: `slow`, not yet `reliability` (which CI runs): see issue 14's note for its status
-pytestmark = pytest.mark.slow
-
 NUM_SLOW_STREAMS = 200
 NUM_IDLE = 2000
 NUM_SLOW_BODIES = 200
@@ -74,7 +71,7 @@ def _trickle(sockets: list[socket.socket], stop: threading.Event) -> None:
 
 
 async def _normal_ttfts(base_url: str, until: float, refusals: list[str]) -> list[float]:
-    ttfts = []
+    ttfts, began = [], time.monotonic()
     body = {"prompt": "a normal client", "max_tokens": 4, "stream": True}
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         while time.monotonic() < until:
@@ -85,16 +82,57 @@ async def _normal_ttfts(base_url: str, until: float, refusals: list[str]) -> lis
                     await asyncio.sleep(0.5)
                     continue
                 assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                        ttfts.append(time.monotonic() - start)
-                        break
-                async for _ in r.aiter_lines():
-                    pass
+                first_token_at = None
+                async for line in r.aiter_lines():  # read to the end: the next request reuses the connection
+                    if (first_token_at is None and line.startswith("data: {")
+                            and json.loads(line[6:])["choices"][0]["text"]):
+                        first_token_at = time.monotonic()
+                assert first_token_at is not None, "a normal stream ended without any text"
+                ttfts.append(first_token_at - start)
+                if ttfts[-1] > 0.5:
+                    print(f"normal request at +{start - began:.1f} s: TTFT {ttfts[-1]:.2f} s")
             await asyncio.sleep(0.5)
     return ttfts
 
 
+def _poll(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_stalled_reader_is_paused_holds_nothing_and_is_closed_after_its_write_timeout(default_tokenizer):
+    """One stream (n=4) whose client reads nothing: its writes block, its samples are paused within a
+    few steps with every block free, the engine thread sleeps instead of stepping, a normal request is
+    served meanwhile, and after stream_write_timeout the server closes the stream."""
+    with tiny_server(default_tokenizer, stream_write_timeout=4.0) as server:
+        port = int(server.base_url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "stalled", "n": 4, "max_tokens": 120, "logprobs": 5,
+                           "ignore_eos": True, "stream": True}).encode()
+        stalled = _connect(port, rcvbuf=4096)
+        stalled.sendall(_request("/v1/completions", body) + body)
+        scheduler = server.llm_engine.scheduler
+        assert _poll(lambda: scheduler.num_paused == 4, 10), "the stalled request was not paused"
+        assert server.num_free_blocks == server.num_blocks
+        before = server.state.engine.loop_stats  # the engine thread's busy time grows only while it loops
+        time.sleep(0.5)
+        after = server.state.engine.loop_stats
+        busy = after.step_seconds + after.overhead_seconds - before.step_seconds - before.overhead_seconds
+        assert busy < 0.05, f"the engine thread spun on paused work ({busy:.2f} s busy of 0.5 s)"
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "a normal client", "max_tokens": 4},
+                       timeout=10)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert scheduler.num_paused == 4  # the normal request went past it, and it stays paused
+        assert _is_closed_by_server(stalled, timeout=10.0)
+        assert _poll(lambda: server.state.engine.num_in_flight == 0 and not scheduler.has_unfinished_requests(), 5)
+        assert server.num_free_blocks == server.num_blocks
+        stalled.close()
+
+
+@pytest.mark.reliability  # ~70 s: CI runs it after the default suite
 def test_slow_readers_idle_connections_and_slow_bodies(default_tokenizer):
     from dataclasses import replace
 

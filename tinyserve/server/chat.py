@@ -43,7 +43,7 @@ async def create_chat_completion(request: Request) -> Response:
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(len(generation.choices))]  # the role first, as OpenAI does
         return EventStreamResponse(event_stream(generation, head, include_usage, _choice(texts), roles),
-                                   generation.close, write_timeout=state.config.stream_write_timeout)
+                                   generation, write_timeout=state.config.stream_write_timeout)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": body.model or state.model_name}
     await run_to_end(generation, request)

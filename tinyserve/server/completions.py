@@ -41,7 +41,7 @@ async def create_completion(request: Request) -> Response:
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         choice = _choice(texts, [0] * len(generation.choices))
-        return EventStreamResponse(event_stream(generation, head, include_usage, choice), generation.close,
+        return EventStreamResponse(event_stream(generation, head, include_usage, choice), generation,
                                    write_timeout=state.config.stream_write_timeout)
     await run_to_end(generation, request)
     return JSONResponse(_response(generation, head, texts))

@@ -30,6 +30,8 @@ from tinyserve.types import RequestOutput, SamplingParams, TokenLogprob
 
 request_log = logging.getLogger("tinyserve.requests")
 SSE_DONE = b"data: [DONE]\n\n"
+# a stream write waiting this long means the socket's buffers are full: the client has stopped reading
+WRITE_BLOCKED_S = 0.05
 
 
 @dataclass
@@ -101,6 +103,11 @@ class Generation:
         if exc is None:
             return APIError(f"generation failed (request id {self.http_request_id})", code="engine_error")
         return ServiceUnavailable(f"{exc} (request id {self.http_request_id})", code=exc.code, retry_after=5)
+
+    def set_writer_blocked(self, blocked: bool) -> None:
+        """The response's writes wait on a full socket (True) or flow again (False): pause or resume."""
+        for stream in self._streams:
+            stream.set_reader_blocked(blocked)
 
     def _on_timeout(self) -> None:
         self.timed_out = True
@@ -249,26 +256,43 @@ class EventStreamResponse(StreamingResponse):
     version the server speaks, so a client gone while its request still waits is noticed at once: the
     body iterator is cancelled, which closes the engine stream and aborts the request. A client that
     reads nothing makes a write wait (the transport's buffer is full); one that waits `write_timeout`
-    seconds ends the response the same way, so a stalled reader holds nothing for long."""
+    seconds ends the response the same way, so a stalled reader holds nothing for long. A write that
+    waits WRITE_BLOCKED_S pauses the generation at once (its engine requests give up their seats) until
+    the writes flow again; a write into a socket with room returns without waiting, and no timer fires."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
-                 write_timeout: float | None = None):
+    def __init__(self, content: AsyncIterator[bytes], generation: Generation, write_timeout: float):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
+        self.generation = generation
         self.write_timeout = write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        is_blocked = False
+
+        def on_blocked() -> None:
+            nonlocal is_blocked
+            is_blocked = True
+            self.generation.set_writer_blocked(True)
+
         async def send_within_timeout(message: Message) -> None:
-            with anyio.fail_after(self.write_timeout):
-                await send(message)
+            nonlocal is_blocked
+            timer = loop.call_later(WRITE_BLOCKED_S, on_blocked)
+            try:
+                with anyio.fail_after(self.write_timeout):
+                    await send(message)
+            finally:
+                timer.cancel()
+            if is_blocked:
+                is_blocked = False
+                self.generation.set_writer_blocked(False)
 
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send if self.write_timeout is None else send_within_timeout)
+                        await self.stream_response(send_within_timeout)
                     except OSError:  # the client went away mid-write, or stopped reading (TimeoutError)
                         pass
                     group.cancel_scope.cancel()
@@ -277,4 +301,4 @@ class EventStreamResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            self.on_close()  # even if the body never started: the engine must forget the request
+            self.generation.close()  # even if the body never started: the engine must forget the request

@@ -8,7 +8,10 @@ connection; a head deadline (body_read_timeout from the moment a connection star
 that closes it if the request line and headers are not all in by then, or if a response went out before
 its body (413, 503) and the body is still trickling in; and an OpenAI-shaped 503 for requests past
 max_connections. A request head is capped at MAX_HEADER_BYTES (431), a body buffers at most uvicorn's
-64 KiB before reading pauses, and the middleware gives the body its own deadline (408).
+64 KiB before reading pauses, and the middleware gives the body its own deadline (408). A connection's
+kernel send buffer is capped at SEND_BUFFER_BYTES: Linux grows it to 4 MiB for a peer that reads
+nothing, which would let a stalled stream run hundreds of tokens per sample (and hold that memory)
+before its writes wait and its request pauses.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import re
 import resource
 import signal
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -37,6 +41,9 @@ from tinyserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers; a longer head gets 431 and the connection closes
+# the kernel doubles it: 128 KiB in flight, 1.3 MB/s to a client 100 ms away, ~200 SSE chunks with logprobs
+SEND_BUFFER_BYTES = 64 * 1024
+WRITE_BUFFER_BYTES = 16 * 1024  # the transport's own buffer above the kernel's
 GRACEFUL_CLOSE_S = 2  # after the drain, for responses already ending to flush before connections close
 _HEAD_END = re.compile(rb"\n\r?\n")  # the blank line after the headers (h11 accepts bare \n too)
 
@@ -67,6 +74,10 @@ class _GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)  # then uvicorn's send waits (asyncio: 64 KiB)
         # uvicorn arms its idle timer only after a response; a fresh connection gets one too
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._await_head()
