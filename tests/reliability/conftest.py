@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+import resource
 
 import pytest
 import torch
@@ -56,6 +57,18 @@ class TinyServer:
     @property
     def num_free_blocks(self) -> int:
         return self.llm_engine.block_manager.num_free_blocks
+
+
+OPEN_FILES_WANTED = 8192  # client and server ends of thousands of connections share this process
+
+
+@pytest.fixture(scope="session", autouse=True)
+def open_file_limit() -> None:
+    """Raise the soft descriptor limit (CI's may be 1,024) as far as the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < OPEN_FILES_WANTED:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY
+                                                    else min(OPEN_FILES_WANTED, hard), hard))
 
 
 @pytest.fixture(scope="session")
