@@ -93,7 +93,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished requests, by id
         self.running: list[Request] = []  # in admission order, at most max_num_seqs
         self._queue = WaitingQueue()
-        self._paused: set[str] = set()  # paused requests, running or waiting
         self._paused_waiting: dict[str, Request] = {}  # paused and waiting: out of the queue
         self.num_preemptions = 0
         self._arrival_seq: dict[str, int] = {}  # breaks arrival_time ties in add order
@@ -149,22 +148,20 @@ class Scheduler:
         fallen behind, so its seat and blocks go to others; it recomputes when resumed), a waiting one
         is set aside and not admitted. Call between steps. Unknown id: no-op."""
         request = self.requests.get(request_id)
-        if request is None or paused == (request_id in self._paused):
+        if request is None or paused == (request_id in self._paused_waiting):
             return
         if paused:
-            self._paused.add(request_id)
             if request.status is RequestStatus.RUNNING:
-                # an outgrown request (it cannot be: it holds its blocks) would land in _finished_ids
+                # back into the queue; an outgrown request (it cannot be: it holds its blocks) would
+                # finish instead and land in _finished_ids
                 self._preempt(request, SchedulerOutput(scheduled=[], finished_ids=self._finished_ids))
-            elif self._queue.remove(request_id):
+            if self._queue.remove(request_id):
                 self._paused_waiting[request_id] = request
-        else:
-            self._paused.discard(request_id)
-            if self._paused_waiting.pop(request_id, None) is not None:
-                self._enqueue(request)
+        elif self._paused_waiting.pop(request_id, None) is not None:
+            self._enqueue(request)
 
     def is_paused(self, request_id: str) -> bool:
-        return request_id in self._paused
+        return request_id in self._paused_waiting
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request and free its blocks now. False if it is not in flight."""
@@ -367,7 +364,6 @@ class Scheduler:
         elif self._paused_waiting.pop(request.request_id, None) is None:
             is_queued = self._queue.remove(request.request_id)
             assert is_queued, f"waiting request {request.request_id} is in no queue"
-        self._paused.discard(request.request_id)
         num_blocks = len(self.block_manager.block_table(request.request_id))
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
@@ -381,11 +377,7 @@ class Scheduler:
         )
 
     def _enqueue(self, request: Request) -> None:
-        """Into the waiting queue, or aside while paused."""
-        if request.request_id in self._paused:
-            self._paused_waiting[request.request_id] = request
-        else:
-            self._queue.push(request, self._order_key(request))
+        self._queue.push(request, self._order_key(request))
 
     def _order_key(self, request: Request) -> OrderKey:
         """Lower runs first: priority, then arrival (FCFS). Preemption picks the max."""
