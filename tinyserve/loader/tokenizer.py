@@ -1,9 +1,8 @@
 """Text <-> token ids, and chat templates, for a GGUF file or a Hugging Face checkpoint folder.
 
-The HF `tokenizers` library runs the BPE; this module only assembles one from what the checkpoint states. A GGUF
-has no tokenizer.json: it lists tokens, token types, merges (or scores) and names its pre-tokenizer in
-`tokenizer.ggml.pre`, whose split regexes we take from llama.cpp's definitions. Chat templates are Jinja,
-rendered in a sandbox the way transformers renders them, so prompts match token for token.
+The HF `tokenizers` library runs the BPE; a folder's tokenizer.json is read as is, and a GGUF's vocabulary is
+assembled by loader/gguf_tokenizer.py. Chat templates are Jinja, rendered in a sandbox the way transformers
+renders them, so prompts match token for token.
 """
 
 from __future__ import annotations
@@ -23,33 +22,11 @@ import jinja2.nodes
 import tokenizers
 from gguf import GGUFReader
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import processors
 from tokenizers.models import BPE
 
 from tinyserve.loader.errors import ModelLoadError
-
-# llama.cpp's token types (gguf.TokenType) that matter here; the others are UNKNOWN=2, UNUSED=5, BYTE=6
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> the regexes llama.cpp splits with, each applied to the pieces the previous one left.
-# SmolLM/StarCoder vocabularies were trained with every digit on its own, hence the \p{N} split first.
-_PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo", "phi-2"), (_GPT2_SPLIT,)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r"), (r"\p{N}", _GPT2_SPLIT)),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"), (_LLAMA3_SPLIT,)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_QWEN2_SPLIT,)),
-}
-# Llama 3 style vocabularies take a whole pre-token that is itself a token without running merges (llama.cpp too).
-_IGNORE_MERGES = {_LLAMA3_SPLIT}
+from tinyserve.loader.gguf_tokenizer import gpt2_byte_alphabet, read_gguf_tokenizer
 
 # Texts longer than this (characters) are encoded through encode_batch, and token lists longer than this
 # decoded through decode_batch: those release the GIL, while encode / decode hold it for the whole call and
@@ -64,95 +41,7 @@ _END_OF_TURN = (
 )  # fmt: skip
 
 
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the rest move to U+0100 on."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    mapping, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            mapping[byte] = chr(byte)
-        else:
-            mapping[byte] = chr(0x100 + shifted)
-            shifted += 1
-    return mapping
-
-
-_CHAR_TO_BYTE = {char: byte for byte, char in _byte_to_char().items()}
-
-
-def _gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _byte_level_vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
-    """A GGUF spells byte-level tokens in GPT-2's alphabet, but control and user-defined tokens as raw text;
-    raw ones stay raw (they are matched whole in the text), any other odd one is respelled byte by byte."""
-    spelling = _byte_to_char()
-    alphabet = set(spelling.values())
-    vocab: dict[str, int] = {}
-    for token_id, (token, token_type) in enumerate(zip(tokens, types)):
-        if token_type not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
-            token = "".join(spelling[b] for b in token.encode("utf-8"))
-        vocab.setdefault(token, token_id)
-    return vocab
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE merges a pair into the piece with the best score; as merge rules that is every split
-    of a token into two tokens, ranked by the token's score (ties: longer left part, then file order)."""
-    index = {token: i for i, token in enumerate(tokens)}
-    ranked = []
-    for merged_id, token in enumerate(tokens):
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in index and right in index:
-                ranked.append((-scores[merged_id], -len(left), -len(right), merged_id, left, right))
-    ranked.sort(key=lambda r: r[:4])
-    return [(left, right) for *_, left, right in ranked]
-
-
-def _byte_level_backend(reader: GGUFReader, tokens: list[str], types: list[int], merges: list) -> tokenizers.Tokenizer:
-    pre = _gguf_field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _PRE_SPLITS:
-        raise ModelLoadError(f"unsupported GGUF tokenizer.ggml.pre={pre!r}; supported: {sorted(_PRE_SPLITS)}")
-    splits = _PRE_SPLITS[pre]
-    vocab = _byte_level_vocab(tokens, types)
-    backend = tokenizers.Tokenizer(BPE(vocab, merges, ignore_merges=bool(_IGNORE_MERGES & set(splits))))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_backend(
-    reader: GGUFReader, tokens: list[str], merges: list, unk: str | None
-) -> tokenizers.Tokenizer:
-    """SentencePiece pieces spell spaces as "\u2581"; <0xNN> byte tokens cover whatever has no piece (else unk)."""
-    if not merges:
-        merges = _merges_from_scores(tokens, _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
-    vocab: dict[str, int] = {}
-    for token_id, token in enumerate(tokens):
-        vocab.setdefault(token, token_id)
-    backend = tokenizers.Tokenizer(BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
-    has_prefix = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
-    # NOTE: a normalizer, not Metaspace: a space is prepended even to text that starts with one, and again after
-    # each special token, as sentencepiece, llama.cpp and Llama 2's own tokenizer.json do.
-    spaces = [normalizers.Prepend("\u2581")] if has_prefix else []
-    backend.normalizer = normalizers.Sequence(spaces + [normalizers.Replace(" ", "\u2581")])
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if has_prefix else []))
-    return backend
-
-
-def _add_gguf_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
-    """Control tokens become special (skipped by decode), user-defined ones plain added tokens; both are then
-    matched whole in the text instead of being cut into pieces."""
-    added = [(token, kind) for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in added if k == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in added if k == _USER_DEFINED])
+_CHAR_TO_BYTE = {char: byte for byte, char in gpt2_byte_alphabet().items()}
 
 
 def _set_post_processor(
@@ -279,32 +168,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
-        model = _gguf_field(reader, "tokenizer.ggml.model")
-        tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
-        if model is None or tokens is None:
-            name = getattr(reader.data, "filename", "GGUF")
-            raise ModelLoadError(f"{name}: no tokenizer metadata (tokenizer.ggml.model and tokenizer.ggml.tokens)")
-        if model not in ("gpt2", "llama"):
-            raise ModelLoadError(f"unsupported GGUF tokenizer.ggml.model={model!r}; supported: 'gpt2', 'llama'")
-
-        def token(key: str) -> str | None:
-            token_id = _gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
-            return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
-
-        types = list(_gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
-        if model == "gpt2":
-            backend = _byte_level_backend(reader, tokens, types, merges)
-        else:
-            backend = _sentencepiece_backend(reader, tokens, merges, token("unknown"))
-        _add_gguf_special_tokens(backend, tokens, types)
-        bos, eos = token("bos"), token("eos")
-        # llama.cpp adds bos to a SentencePiece vocabulary unless the file says otherwise
-        add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")
-        add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token", False)
-        _set_post_processor(backend, bos, eos, add_bos, add_eos)
-        template = _gguf_field(reader, "tokenizer.chat_template")
-        return cls(backend, bos_token=bos, eos_token=eos, chat_template=template)
+        parts = read_gguf_tokenizer(reader)
+        _set_post_processor(parts.backend, parts.bos_token, parts.eos_token, parts.add_bos, parts.add_eos)
+        return cls(parts.backend, bos_token=parts.bos_token, eos_token=parts.eos_token,
+                   chat_template=parts.chat_template)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
