@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from tinyserve.config import ServerConfig
 from tinyserve.server.errors import BadRequest
-from tinyserve.types import MAX_LOGIT_BIAS, SamplingParams
+from tinyserve.types import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_PRIORITY = 1000  # client priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]; the server's own probes run below
 MAX_CACHE_SALT_CHARS = 256
@@ -30,6 +30,15 @@ MAX_DETOKENIZE_TOKENS = 1_000_000
 def limits_context(config: ServerConfig) -> dict[str, int]:
     """The validation context that carries the server's request-size caps to the validators below."""
     return {"max_prompts": config.max_prompts_per_request, "max_messages": config.max_messages}
+
+
+def entry_caps(model: type[BaseModel], context: dict[str, int] | None) -> dict[str, int]:
+    """The most entries each top-level list (or object) field of `model` may hold, for a guard that counts
+    them before a large body becomes Python objects (intake.refuse_long_lists). The validators below and
+    SamplingParams stay the checks of record; this only makes the refusal cheap."""
+    caps = {"messages": (context or {}).get("max_messages"), "stop": MAX_STOP_STRINGS,
+            "stop_token_ids": MAX_STOP_TOKEN_IDS, "logit_bias": MAX_LOGIT_BIAS}
+    return {name: cap for name, cap in caps.items() if cap is not None and name in model.model_fields}
 
 
 def _limit(info: ValidationInfo, name: str) -> int | None:
