@@ -1,4 +1,8 @@
-"""Shared fixtures: the default model (SmolLM2-135M-Instruct Q4_1 GGUF) loaded by us and by transformers."""
+"""Shared fixtures: the default model (SmolLM2-135M-Instruct Q4_1 GGUF) loaded by us and by transformers, and a
+live server on it whose engine an EngineSpy watches."""
+
+import threading
+from collections import defaultdict
 
 import pytest
 import torch
@@ -83,3 +87,54 @@ def tiny_llama():
         return model.eval().requires_grad_(False)
 
     return make
+
+
+class EngineSpy:
+    """Wraps the LLMEngine a server steps (use `wrap` in its engine factory) and records, on the engine
+    thread: the prompt ids each request id was queued with, each step's batch as (internal request id,
+    logprobs k) pairs, and every token each (request id, sample index) got. While `gate` is clear, a step
+    waits for it (so that requests sent together are all queued before the first of them runs)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.prompts: dict[str, list[int]] = {}
+        self.batches: list[list[tuple[str, int | None]]] = []
+        self.token_ids: dict[tuple[str, int], list[int]] = defaultdict(list)
+
+    def wrap(self, engine):
+        add_request, execute, step = engine.add_request, engine.runner.execute, engine.step
+
+        def spying_add_request(request_id, prompt, *args, **kwargs):
+            self.prompts[request_id] = list(prompt)
+            return add_request(request_id, prompt, *args, **kwargs)
+
+        def spying_execute(scheduled, block_tables):
+            self.batches.append([(r.request_id, r.sampling_params.logprobs) for r, _ in scheduled])
+            return execute(scheduled, block_tables)
+
+        def spying_step():
+            assert self.gate.wait(60), "the test never opened the gate"
+            outputs = step()
+            for out in outputs:
+                self.token_ids[(out.request_id, out.index)] += out.new_token_ids
+            return outputs
+
+        engine.add_request, engine.runner.execute, engine.step = spying_add_request, spying_execute, spying_step
+        return engine
+
+
+@pytest.fixture(scope="module")
+def spied_server(smollm2_loaded):
+    """(a live server on the default model, float32, no warm-up; the EngineSpy on its engine), one per module."""
+    from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+    from tinyserve.engine.llm_engine import LLMEngine
+    from tinyserve.server.launcher import BackgroundServer
+
+    spy = EngineSpy()
+    engine = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),
+                          scheduler=SchedulerConfig(max_model_len=2048))
+    srv = BackgroundServer(engine, ServerConfig(port=0, warmup=False),
+                           lambda cfg: spy.wrap(LLMEngine(cfg, loaded=smollm2_loaded))).start()
+    yield srv, spy
+    srv.stop()

@@ -150,8 +150,9 @@ def test_truncated_and_corrupt_files_fail_with_one_line(tmp_path, tiny_llama):
     (tmp_path / "trunc.gguf").write_bytes(good[: len(good) // 2])
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 100)
     for name in ("trunc.gguf", "junk.gguf"):
-        with pytest.raises(ModelLoadError, match=name):
+        with pytest.raises(ModelLoadError, match=name) as exc:
             _load(tmp_path / name)
+        assert "\n" not in str(exc.value), str(exc.value)
 
 
 def test_missing_tensor_and_unknown_architecture(tmp_path, tiny_llama):

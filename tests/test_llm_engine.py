@@ -92,8 +92,17 @@ def test_prefix_caching_hits_and_identical_outputs(smollm2_loaded):
 
 
 def test_n_samples_share_prompt_blocks_and_differ(smollm2_loaded):
-    engine = _engine(smollm2_loaded)
+    engine = _engine(smollm2_loaded, prefix_caching=False)  # so that only a fork can share blocks
     prompt = smollm2_loaded.tokenizer.encode(TEXT)
+    engine.add_request("fork", prompt, SamplingParams(n=4, max_tokens=12, ignore_eos=True))
+    engine.step()  # the first sample computes the prompt; the others wait for it
+    engine.step()  # then they join, on its full blocks
+    bm, num_full = engine.block_manager, (len(prompt) - 1) // engine.block_manager.block_size
+    tables = [bm.block_table(f"fork#{k}") for k in range(4)]
+    assert num_full >= 2 and all(table[:num_full] == tables[0][:num_full] for table in tables)
+    assert [bm.ref_count(b) for b in tables[0][:num_full]] == [4] * num_full
+    assert len({table[num_full] for table in tables}) == 4  # each writes its own last block
+    engine.abort("fork")
     sampled = _run(engine, [prompt], [SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)])
     texts = {sampled[(0, k)][0].__repr__() for k in range(4)}
     assert len(texts) == 4, "sampled siblings should differ"

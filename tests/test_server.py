@@ -57,11 +57,14 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
 
 
-def _metric(base_url: str, name: str) -> float:
+def _metric(base_url: str, name: str, label: str = "", default: float | None = None) -> float:
+    """The first sample of `name` whose labels contain `label` (e.g. 'finished_reason="abort"')."""
     for line in httpx.get(base_url + "/metrics").text.splitlines():
-        if line.startswith(f"tinyserve:{name}{{"):
+        if line.startswith(f"tinyserve:{name}{{") and label in line.partition("}")[0]:
             return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    if default is None:
+        raise KeyError(name)
+    return default
 
 
 def _wait_idle(srv, timeout: float) -> float:
@@ -251,9 +254,14 @@ def test_disconnected_streams_are_aborted_and_freed(server):
         async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=30) as client:
             await asyncio.gather(*(one(client, i) for i in range(20)))
 
+    def num_aborted() -> float:
+        return _metric(server.base_url, "request_success_total", 'finished_reason="abort"', default=0.0)
+
+    aborted_before = num_aborted()
     asyncio.run(run())
     assert _wait_idle(server, 1.0) < 1.0
     assert _metric(server.base_url, "num_requests_running") == 0
+    assert num_aborted() - aborted_before == 20  # each ended by the engine as an abort, not run on to max_tokens
 
 
 def _poll(condition, timeout: float) -> None:
@@ -287,17 +295,23 @@ def test_disconnect_while_waiting_frees_the_queue(small_server):
 
 
 def test_request_timeout_counts_from_arrival(loaded):
-    srv = _start(loaded, request_timeout=2.0, warmup=False)
+    one_seat = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),
+                            scheduler=SchedulerConfig(max_model_len=2048, max_num_seqs=1))
+    srv = _start(loaded, one_seat, request_timeout=2.0, warmup=False)
     long_body = {"prompt": "Go on:", "max_tokens": 1000, "ignore_eos": True}
     try:
+        async def ended(coroutine):
+            return await coroutine, time.monotonic() - start
+
         async def run():
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
-                return await asyncio.gather(client.post("/v1/completions", json=long_body),
-                                            _collect_stream(client, {**long_body, "stream": True}))
+                return await asyncio.gather(ended(client.post("/v1/completions", json=long_body)),
+                                            ended(_collect_stream(client, {**long_body, "stream": True})))
 
         start = time.monotonic()
-        held, streamed = asyncio.run(run())
-        assert time.monotonic() - start < 10
+        (held, held_s), (streamed, streamed_s) = asyncio.run(run())
+        # one seat: one of them waited in the queue all along, and its deadline still came 2 s after arrival
+        assert 2.0 <= held_s < 3.5 and 2.0 <= streamed_s < 3.5, (held_s, streamed_s)
         assert held.status_code == 504 and held.json()["error"]["code"] == "request_timeout"
         assert streamed[-1] == "[DONE]" and json.loads(streamed[-2])["choices"][0]["finish_reason"] == "abort"
         _wait_idle(srv, 2)

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import pydantic_core
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
@@ -76,20 +77,30 @@ def test_messages_cap_runs_before_the_messages_are_validated(server):
     assert post(server, CHAT, {"messages": nine[:7], "max_tokens": 1}).status_code == 200
 
 
-def test_a_large_bodys_lists_are_counted_before_it_is_parsed(server):
+def test_a_large_bodys_lists_are_counted_before_it_is_parsed(server, monkeypatch):
     """intake.refuse_long_lists: the same caps as the validators, reported the same way; what it cannot
     count (a wrong type, malformed JSON, a field the endpoint does not have) is left to the parser."""
+    parsed_sizes = []  # one entry per body intake parsed to Python objects
+    from_json = pydantic_core.from_json
+
+    def recording_from_json(data, **kwargs):
+        parsed_sizes.append(len(data))
+        return from_json(data, **kwargs)
+
+    monkeypatch.setattr(pydantic_core, "from_json", recording_from_json)
     pad = "x" * (70 << 10)  # over intake's parse-first size, so the counting pass runs
     body = {"prompt": "hi", "max_tokens": 1, "user": pad}
     assert_400(post(server, C, {**body, "stop": ["s"] * 17}), "stop", "at most 16 entries, got 17")
     assert_400(post(server, C, {**body, "stop_token_ids": [1] * 65}), "stop_token_ids", "at most 64 entries")
     assert_400(post(server, C, {**body, "logit_bias": {str(i): 1 for i in range(1025)}}), "logit_bias", "got 1025")
     assert_400(post(server, CHAT, {"messages": USER * 9, "user": pad}), "messages", "at most 8 entries, got 9")
+    assert parsed_sizes == []  # refused from the count alone: none of these bodies was parsed
     assert_400(post(server, CHAT, {"messages": pad}), "messages", "valid list")
     r = httpx.post(server.base_url + C, content=json.dumps(body)[:-2].encode(), timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     assert post(server, C, {**body, "messages": USER * 100, "stop": ["s"] * 16}).status_code == 200
+    assert len(parsed_sizes) == 3  # what the count could not refuse went on to the parser
     assert_idle_and_healthy(server)
 
 
