@@ -138,3 +138,54 @@ def spied_server(smollm2_loaded):
                            lambda cfg: spy.wrap(LLMEngine(cfg, loaded=smollm2_loaded))).start()
     yield srv, spy
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """A factory of word-level tokenizers over `vocab_size` tokens "t0", "t1", ...: the engine needs a tokenizer
+    to detokenize, and tests of tiny random models feed token ids (the default model's tokenizer takes
+    seconds to read from its GGUF)."""
+    import functools
+
+    import tokenizers
+
+    from tinyserve.loader.tokenizer import Tokenizer
+
+    @functools.cache
+    def make(vocab_size: int):
+        words = {f"t{i}": i for i in range(vocab_size)}
+        backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="t0"))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        return Tokenizer(backend)
+
+    return make
+
+
+class _LogitsRecorder:
+    """Stands in for a ModelRunner's sampler: keeps a float32 copy of each logits row it is given (the
+    model's raw logits, before any sampling parameter), then samples as the engine's own sampler does."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.rows: dict[str, list[torch.Tensor]] = {}  # request id -> one [vocab] row per sampled token
+
+    def __call__(self, logits, requests):
+        for row, request in zip(logits, requests):
+            self.rows.setdefault(request.request_id, []).append(row.float().clone())
+        return self.sampler(logits, requests)
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
+@pytest.fixture
+def record_logits():
+    """record(engine) -> {internal request id ("<id>#<sample>"): [logits of each token the engine sampled]},
+    filled as the engine steps."""
+
+    def record(engine) -> dict[str, list[torch.Tensor]]:
+        recorder = _LogitsRecorder(engine.runner.sampler)
+        engine.runner.sampler = recorder
+        return recorder.rows
+
+    return record

@@ -1,5 +1,6 @@
 """Every supported architecture against transformers on the same tiny random checkpoint: float32 logits
-through the paged cache within 1e-4, and the same greedy tokens. Checkpoints are written with
+through the paged cache within 1e-4 (one prefill, and through the engine at every decode step after a
+prefill in one chunk or in many), and the same greedy tokens. Checkpoints are written with
 save_pretrained (safetensors) and read back with loader/hf.py; broken folders must fail loudly."""
 
 import json
@@ -15,11 +16,13 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
 
-from tinyserve.config import ModelConfig
+from tinyserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.reference import forward_sequence, greedy_generate
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
-from tinyserve.loader.model_loader import build_model
+from tinyserve.loader.model_loader import LoadedModel, build_model
+from tinyserve.types import SamplingParams
 
 VOCAB = 300
 _SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -109,6 +112,44 @@ def test_greedy_matches_transformers_generate(case):
         expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert greedy_generate(ours, prompt, 16) == expected, name
+
+
+@pytest.mark.parametrize("budget", [512, 8], ids=["one-chunk", "chunked"])
+def test_engine_logits_at_every_decode_step_match_transformers(case, budget, word_tokenizer, record_logits):
+    """Three requests at once through the engine, 4-token blocks: each prompt prefilled in one step, or in
+    chunks of at most 8 tokens beside the others' decodes, then decoded; our logits for every sampled
+    token against transformers' on the same tokens (teacher-forced: it reads the tokens our engine
+    picked). Decodes take the C++ decode kernel where it is built, and positions, block tables and slots
+    are the model runner's for a mixed batch (forward_sequence builds its own, for one sequence)."""
+    name, hf, folder, ours = case
+    config = EngineConfig(cache=CacheConfig(num_blocks=64, block_size=4),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget))
+    engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
+    logits = record_logits(engine)
+    sequences = _sequences(seed=2)
+    prompts = [sequences[1], sequences[2][:21], sequences[2][50:53]]  # 37, 21 and 3 tokens
+    num_decodes = 12
+    params = SamplingParams(max_tokens=num_decodes, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    if budget < len(prompts[0]):
+        assert engine.num_steps > num_decodes + 4, "the prompts were meant to take several steps each"
+    else:
+        assert engine.num_steps == num_decodes, "every prompt was meant to be prefilled in the first step"
+    for i, prompt in enumerate(prompts):
+        ids = prompt + outputs[str(i)]
+        with torch.no_grad():  # the logits that predict each output token
+            expected = hf(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1:].float()  # [num_decodes, vocab]
+        got = torch.stack(logits[f"{i}#0"])
+        assert got.shape == expected.shape == (num_decodes, VOCAB)
+        diff = (got - expected).abs().amax(dim=-1)  # [num_decodes]
+        worst = int(diff.argmax())
+        assert diff[worst] <= 1e-4, (f"{name}, request {i} ({len(prompt)}-token prompt): max |ours - transformers|"
+                                     f" = {diff[worst]:.2e} at output token {worst}")
 
 
 def test_config_flags(case):
