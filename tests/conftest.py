@@ -91,8 +91,8 @@ def tiny_llama():
 
 class EngineSpy:
     """Wraps the LLMEngine a server steps (use `wrap` in its engine factory) and records, on the engine
-    thread: the prompt ids each request id was queued with, each step's batch as (internal request id,
-    logprobs k) pairs, and every token each (request id, sample index) got. While `gate` is clear, a step
+    thread: the prompt ids each request id was queued with, each step's batch as (request id, logprobs k)
+    pairs, and every token each (request id, sample index) got. While `gate` is clear, a step
     waits for it (so that requests sent together are all queued before the first of them runs)."""
 
     def __init__(self):
@@ -103,15 +103,16 @@ class EngineSpy:
         self.token_ids: dict[tuple[str, int], list[int]] = defaultdict(list)
 
     def wrap(self, engine):
-        add_request, execute, step = engine.add_request, engine.runner.execute, engine.step
+        # add_validated: where every prompt enters the engine (add_request and the AsyncEngine's thread)
+        add_validated, execute, step = engine.add_validated, engine.runner.execute, engine.step
 
-        def spying_add_request(request_id, prompt, *args, **kwargs):
-            self.prompts[request_id] = list(prompt)
-            return add_request(request_id, prompt, *args, **kwargs)
+        def spying_add_validated(request_id, prompt_ids, *args, **kwargs):
+            self.prompts[request_id] = list(prompt_ids)
+            return add_validated(request_id, prompt_ids, *args, **kwargs)
 
-        def spying_execute(scheduled, block_tables):
+        def spying_execute(scheduled):
             self.batches.append([(r.request_id, r.sampling_params.logprobs) for r, _ in scheduled])
-            return execute(scheduled, block_tables)
+            return execute(scheduled)
 
         def spying_step():
             assert self.gate.wait(60), "the test never opened the gate"
@@ -120,7 +121,7 @@ class EngineSpy:
                 self.token_ids[(out.request_id, out.index)] += out.new_token_ids
             return outputs
 
-        engine.add_request, engine.runner.execute, engine.step = spying_add_request, spying_execute, spying_step
+        engine.add_validated, engine.runner.execute, engine.step = spying_add_validated, spying_execute, spying_step
         return engine
 
 
@@ -167,11 +168,12 @@ class _LogitsRecorder:
 
     def __init__(self, sampler):
         self.sampler = sampler
-        self.rows: dict[str, list[torch.Tensor]] = {}  # request id -> one [vocab] row per sampled token
+        # (request id, sample index) -> one [vocab] row per sampled token
+        self.rows: dict[tuple[str, int], list[torch.Tensor]] = {}
 
     def __call__(self, logits, requests):
         for row, request in zip(logits, requests):
-            self.rows.setdefault(request.request_id, []).append(row.float().clone())
+            self.rows.setdefault((request.request_id, request.index), []).append(row.float().clone())
         return self.sampler(logits, requests)
 
     def __getattr__(self, name):
@@ -180,10 +182,10 @@ class _LogitsRecorder:
 
 @pytest.fixture
 def record_logits():
-    """record(engine) -> {internal request id ("<id>#<sample>"): [logits of each token the engine sampled]},
-    filled as the engine steps."""
+    """record(engine) -> {(request id, sample index): [logits of each token the engine sampled]}, filled
+    as the engine steps."""
 
-    def record(engine) -> dict[str, list[torch.Tensor]]:
+    def record(engine) -> dict[tuple[str, int], list[torch.Tensor]]:
         recorder = _LogitsRecorder(engine.runner.sampler)
         engine.runner.sampler = recorder
         return recorder.rows

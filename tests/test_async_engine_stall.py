@@ -40,12 +40,12 @@ class HangingRunner:
     def wrap(self, engine):
         execute = engine.runner.execute
 
-        def hanging_execute(scheduled, block_tables):
+        def hanging_execute(scheduled):
             if not self.hung.is_set() and len(scheduled) == 2 and all(r.num_output_tokens for r, _ in scheduled):
                 self.hung_at = time.monotonic()
                 self.hung.set()
                 self.release.wait(60)
-            return execute(scheduled, block_tables)
+            return execute(scheduled)
 
         engine.runner.execute = hanging_execute
         return engine
@@ -89,7 +89,8 @@ def test_a_hung_step_is_reported_its_clients_answered_and_the_engine_recovers(to
     with tiny_server(tokenizer, wrap_engine=hang.wrap, stall_timeout=STALL_TIMEOUT_S,
                      request_timeout=REQUEST_TIMEOUT_S) as server:
         finish_reasons = []  # of each sample the engine finished, in order
-        server.state.engine.finished_listeners.append(lambda out: finish_reasons.append(out.finish_reason.value))
+        server.state.engine.step_listeners.append(
+            lambda outputs, now: finish_reasons.extend(o.finish_reason.value for o in outputs if o.finished))
 
         async def during_the_hang():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT_S + 10) as client:

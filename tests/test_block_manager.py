@@ -6,7 +6,8 @@ import random
 import pytest
 
 from tinyserve.engine.block_manager import BlockManager, hash_block
-from tinyserve.types import Request, SamplingParams
+from tinyserve.engine.request import Request
+from tinyserve.types import SamplingParams
 
 BLOCK_SIZE = 4
 
@@ -43,7 +44,7 @@ def test_allocate_takes_blocks_from_the_front(bm):
     a = make_request("a", range(10))
     assert bm.can_allocate(a, 10)
     assert bm.allocate_slots(a, 10)
-    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.block_table(a) == [0, 1, 2]
     assert refs(bm) == [1, 1, 1, 0, 0, 0, 0, 0]
     assert bm.free_block_ids() == [3, 4, 5, 6, 7]
     assert bm.num_free_blocks == 5 and bm.usage == pytest.approx(3 / 8)
@@ -54,19 +55,19 @@ def test_append_grows_by_one_block_across_the_boundary(bm):
     a = make_request("a", range(8))
     assert bm.allocate_slots(a, 8)
     compute(bm, a, 8)
-    assert bm.block_table("a") == [0, 1]
+    assert bm.block_table(a) == [0, 1]
     a.output_token_ids.append(100)  # token 9: the first slot of a new block
     assert bm.allocate_slots(a, 1)
-    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.block_table(a) == [0, 1, 2]
     compute(bm, a, 1)
     for token in (101, 102, 103):  # tokens 10..12 fill block 2
         a.output_token_ids.append(token)
         assert bm.allocate_slots(a, 1)
         compute(bm, a, 1)
-    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.block_table(a) == [0, 1, 2]
     a.output_token_ids.append(104)
     assert bm.allocate_slots(a, 1)
-    assert bm.block_table("a") == [0, 1, 2, 3]
+    assert bm.block_table(a) == [0, 1, 2, 3]
     bm.check_invariants()
 
 
@@ -76,25 +77,25 @@ def test_allocation_that_does_not_fit_changes_nothing(bm):
     b = make_request("b", range(100, 104))
     assert not bm.can_allocate(b, 4)
     assert not bm.allocate_slots(b, 4)
-    assert bm.block_table("b") == [] and bm.num_free_blocks == 0
+    assert bm.block_table(b) == [] and bm.num_free_blocks == 0
     a.output_token_ids += [7, 7, 7]
     a.num_computed_tokens = 30
     assert not bm.allocate_slots(a, 3)  # 33 tokens need a 9th block
-    assert bm.block_table("a") == list(range(8))
+    assert bm.block_table(a) == list(range(8))
     bm.check_invariants()
 
 
 def test_fork_shares_blocks_and_free_order(bm):
     parent = make_request("p", range(10))
     admit(bm, parent)
-    assert bm.block_table("p") == [0, 1, 2]
+    assert bm.block_table(parent) == [0, 1, 2]
     child = make_request("c", range(10))
     bm.fork(parent, child, 2)
-    assert bm.block_table("c") == [0, 1]
+    assert bm.block_table(child) == [0, 1]
     assert refs(bm)[:3] == [2, 2, 1]
     child.num_computed_tokens = 8
     assert bm.allocate_slots(child, 2)  # the child writes its own tail, never a shared block
-    assert bm.block_table("c") == [0, 1, 3]
+    assert bm.block_table(child) == [0, 1, 3]
     bm.free(parent)
     assert refs(bm) == [1, 1, 0, 1, 0, 0, 0, 0]
     assert bm.free_block_ids() == [4, 5, 6, 7, 2]
@@ -111,7 +112,7 @@ def test_prefix_hit_reuses_exact_block_ids(bm):
     b = make_request("b", list(range(10)) + [50, 51])
     assert bm.get_computed_prefix(b) == 8  # a's two full blocks; its third (2 tokens) is not cached
     assert admit(bm, b) == 8
-    assert bm.block_table("b") == [0, 1, 3]
+    assert bm.block_table(b) == [0, 1, 3]
     assert refs(bm)[:4] == [2, 2, 1, 1]
     stats = bm.prefix_stats
     assert (stats.num_query_blocks, stats.num_hit_blocks) == (2 + 2, 2)
@@ -131,18 +132,18 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru(bm):
     b = make_request("b", range(100, 108))
     admit(bm, a)
     admit(bm, b)
-    assert bm.block_table("a") == [0, 1] and bm.block_table("b") == [2, 3]
+    assert bm.block_table(a) == [0, 1] and bm.block_table(b) == [2, 3]
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 8  # cached blocks count as free
     assert bm.free_block_ids() == [4, 5, 6, 7, 1, 0, 3, 2]
     c = make_request("c", range(200, 220))  # 5 fresh blocks: evicts a's tail block 1, least recently freed
     admit(bm, c)
-    assert bm.block_table("c") == [4, 5, 6, 7, 1]
+    assert bm.block_table(c) == [4, 5, 6, 7, 1]
     assert bm.get_computed_prefix(make_request("a2", list(range(8)) + [9])) == 4  # block 0 survived
     b2 = make_request("b2", list(range(100, 108)) + [9])
     assert admit(bm, b2) == 8
-    assert bm.block_table("b2") == [2, 3, 0]  # block 0 was the only free block left: evicted now
+    assert bm.block_table(b2) == [2, 3, 0]  # block 0 was the only free block left: evicted now
     assert bm.get_computed_prefix(make_request("a3", list(range(8)) + [9])) == 0
     bm.check_invariants()
 
@@ -161,7 +162,7 @@ def test_taking_cached_free_blocks_counts_against_the_free_pool(bm):
     same = make_request("s", range(8))
     assert bm.get_computed_prefix(same) == 4
     assert bm.allocate_slots(same, 4, 4)  # takes cached block 0 first, then block 1 fresh (evicting it)
-    assert bm.block_table("s") == [0, 1]
+    assert bm.block_table(same) == [0, 1]
     assert bm.get_computed_prefix(make_request("x", list(range(8)) + [5])) == 4
     bm.check_invariants()
 
@@ -228,7 +229,7 @@ class Simulation:
         return f"r{self.next_id}"
 
     def write(self, request: Request, num_new: int) -> None:
-        table = self.bm.block_table(request.request_id)
+        table = self.bm.block_table(request)
         start = request.num_computed_tokens
         for pos in range(start, start + num_new):
             block_id = table[pos // BLOCK_SIZE]
@@ -237,7 +238,7 @@ class Simulation:
         compute(self.bm, request, num_new)
 
     def check_reused(self, request: Request) -> None:
-        table = self.bm.block_table(request.request_id)
+        table = self.bm.block_table(request)
         for pos in range(request.num_computed_tokens):
             assert self.kv[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] == request.all_token_ids[pos]
 
@@ -286,8 +287,8 @@ class Simulation:
         free = self.bm.free_block_ids()
         assert len(free) == len(set(free)), "a block is on the free list twice"
         holders = [0] * self.bm.num_blocks
-        for request_id in self.live:
-            for block_id in self.bm.block_table(request_id):
+        for request in self.live.values():
+            for block_id in self.bm.block_table(request):
                 holders[block_id] += 1
         assert holders == refs(self.bm)
         used = {b for b in range(self.bm.num_blocks) if holders[b]}

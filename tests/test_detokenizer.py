@@ -39,7 +39,7 @@ def stream(tokenizer, ids, prompt_ids=(), chunk_sizes=None, **kwargs) -> tuple[I
     """Feed `ids` in chunks (one at a time by default) until done or a stop string hits, then flush."""
     detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), **kwargs)
     deltas, i, sizes = [], 0, iter(chunk_sizes or [])
-    while i < len(ids) and not detok.is_stopped:
+    while i < len(ids) and detok.stop_hit is None:
         n = next(sizes, 1)
         deltas.append(detok.step(ids[i : i + n]))
         i += n

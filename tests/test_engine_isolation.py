@@ -22,6 +22,7 @@ from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.types import FinishReason, SamplingParams
 
 PROMPTS = {"a": "The river ran clear", "b": "def parse(line):", "c": "Records from 1642 show", "d": "Hello"}
+GREEDY = {"temperature": 0.0, "ignore_eos": True}  # as params_for("a") and ("c"), so baseline tokens apply
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +76,7 @@ def assert_clean(engine: LLMEngine) -> None:
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks, "leaked KV blocks"
     assert not engine.has_unfinished_requests()
-    assert engine.runner.sampler._request_generators == {}, "a seeded generator outlived its request"
-    assert engine._samples == {}
+    assert engine._groups == {}, "a finished request is still owned by the engine"
 
 
 def assert_one_final(outputs: list, reason: FinishReason) -> None:
@@ -101,7 +101,7 @@ class FailingSampler:
         self.sampler, self.failing_call, self.calls = sampler, failing_call, []
 
     def __call__(self, logits, requests):
-        self.calls.append({r.request_id for r in requests})
+        self.calls.append({(r.request_id, r.index) for r in requests})
         if len(self.calls) - 1 == self.failing_call:
             raise RuntimeError("injected sampler fault")
         return self.sampler(logits, requests)
@@ -121,7 +121,7 @@ def test_sampler_failure_fails_only_the_requests_of_that_step(tiny_loaded, basel
 
     with caplog.at_level(logging.ERROR):
         outputs = run(engine, ["a", "b"], before_step=arrivals)
-    assert sampler.calls[2] == {"a#0", "b#0", "b#1"}
+    assert sampler.calls[2] == {("a", 0), ("b", 0), ("b", 1)}
     for key, num_tokens_before in [(("a", 0), 2), (("b", 0), 2), (("b", 1), 1)]:
         assert_one_final(outputs[key], FinishReason.ERROR)
         assert tokens(outputs[key]) == baseline[key][:num_tokens_before]
@@ -129,7 +129,8 @@ def test_sampler_failure_fails_only_the_requests_of_that_step(tiny_loaded, basel
         assert_one_final(outputs[key], FinishReason.LENGTH)
         assert tokens(outputs[key]) == baseline[key]
     logged = [r for r in caplog.records if r.exc_info and "injected sampler fault" in str(r.exc_info[1])]
-    assert len(logged) == 1 and all(i in logged[0].getMessage() for i in sampler.calls[2])
+    assert len(logged) == 1 and all(f"Request({request_id!r}, prompt 0, sample {index}" in logged[0].getMessage()
+                                    for request_id, index in sampler.calls[2])
     assert engine.stats().num_failed_requests == 3
     assert_clean(engine)
 
@@ -139,7 +140,7 @@ def test_detokenizer_failure_fails_only_its_request(tiny_loaded, baseline, caplo
 
     def break_b0(engine, step):
         if step == 3:
-            detok = engine.outputs._detokenizers["b#0"]
+            detok = engine._groups["b"].samples[0].detokenizer
             detok.step = lambda new_token_ids: 1 / 0
 
     with caplog.at_level(logging.ERROR):
@@ -150,7 +151,7 @@ def test_detokenizer_failure_fails_only_its_request(tiny_loaded, baseline, caplo
         assert_one_final(outputs[key], FinishReason.LENGTH)
         assert tokens(outputs[key]) == baseline[key]
     logged = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], ZeroDivisionError)]
-    assert len(logged) == 1 and "b#0" in logged[0].getMessage()
+    assert len(logged) == 1 and "Request('b', prompt 0, sample 0" in logged[0].getMessage()
     assert_clean(engine)
 
 
@@ -158,10 +159,10 @@ def test_consecutive_batch_failures_kill_the_engine_and_a_success_resets_the_cou
     engine = make_engine(tiny_loaded)
     execute, plan = engine.runner.execute, iter([True, True, False, True, True, True])
 
-    def faulty_execute(scheduled, tables):
+    def faulty_execute(scheduled):
         if next(plan):
             raise RuntimeError("injected forward fault")
-        return execute(scheduled, tables)
+        return execute(scheduled)
 
     engine.runner.execute = faulty_execute
     finals = []
@@ -217,7 +218,7 @@ def test_paused_running_request_gets_no_tokens_frees_its_blocks_and_resumes_exac
     outputs_of(engine, outputs, steps=4)
     assert all(len(tokens(outputs[("b", i)])) == before[("b", i)] for i in range(2)), "a paused sample got tokens"
     assert len(tokens(outputs[("a", 0)])) == before[("a", 0)] + 4
-    assert [engine.block_manager.block_table(f"b#{i}") for i in range(2)] == [[], []]  # preempted: seat and blocks freed
+    assert [r.block_table for r in engine._groups["b"].samples] == [[], []]  # preempted: seat and blocks freed
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_paused) == (2, 0, 2)
     engine.set_paused("b", False)
@@ -256,7 +257,7 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(tiny_loaded):
     def cached_tokens(request_id: str, salt: str | None, n: int = 1) -> list[int]:
         engine.add_request(request_id, prompt, SamplingParams(n=n, max_tokens=1, temperature=0.0), cache_salt=salt)
         if n > 1:
-            assert {engine.scheduler.get_request(f"{request_id}#{i}").cache_salt for i in range(n)} == {salt}
+            assert {r.cache_salt for r in engine._groups[request_id].samples} == {salt}
         finals = []
         while engine.has_unfinished_requests():
             finals += [out for out in engine.step() if out.finished]
@@ -268,4 +269,49 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(tiny_loaded):
     assert cached_tokens("same", "tenant-1") == [full_blocks]
     assert cached_tokens("shared-again", None) == [full_blocks]
     assert cached_tokens("siblings", "tenant-2", n=2) == [full_blocks, full_blocks]
+    assert_clean(engine)
+
+
+def assert_released(request) -> None:
+    """What LLMEngine._release promises: nothing of the request's is held any more."""
+    assert request.is_finished and request.finish_reason is not None and request.finished_time is not None
+    assert request.block_table == [] and request.block_hashes == []
+    assert request.generator is None and request.detokenizer is None
+
+
+def test_every_way_to_end_releases_everything_the_request_held(tiny_loaded, baseline):
+    """EOS/stop id, length, stop string, abort (waiting and running), a failed detokenizer, and several
+    prompts under one id: each sample is released once, through the one exit, with its final output."""
+    engine = make_engine(tiny_loaded, max_num_seqs=3)
+    first = baseline[("a", 0)][0]
+    stop_text = tiny_loaded.tokenizer.decode(baseline[("c", 0)][1:3])
+    seeded = SamplingParams(n=2, max_tokens=6, temperature=0.9, seed=11)
+    engine.add_request("stop_id", PROMPTS["a"], SamplingParams(max_tokens=10, stop_token_ids=[first], **GREEDY))
+    engine.add_request("length", PROMPTS["b"], seeded)
+    engine.add_request("stop_str", PROMPTS["c"], SamplingParams(max_tokens=10, stop=stop_text, **GREEDY))
+    engine.add_request("waiting", PROMPTS["d"], seeded)  # max_num_seqs=3: not admitted yet
+    engine.add_request("multi", PROMPTS["a"], seeded, prompt_index=0)
+    engine.add_request("multi", PROMPTS["b"], seeded, prompt_index=1)
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add_request("multi", PROMPTS["c"], seeded, prompt_index=1)
+    samples = {rid: list(group.samples) for rid, group in engine._groups.items()}
+    assert [(r.prompt_index, r.index) for r in samples["multi"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    finals = engine.abort("waiting")
+    assert [(f.request_id, f.index, f.finish_reason) for f in finals] == [("waiting", i, FinishReason.ABORT)
+                                                                          for i in range(2)]
+    outputs = {}
+    for step in range(1000):
+        if step == 1:
+            samples["length"][1].detokenizer.step = lambda new_token_ids: 1 / 0
+        for out in engine.step():
+            outputs.setdefault((out.request_id, out.prompt_index, out.index), []).append(out)
+        if not engine.has_unfinished_requests():
+            break
+    reasons = {key: outs[-1].finish_reason for key, outs in outputs.items() if outs[-1].finished}
+    assert reasons[("stop_id", 0, 0)] is FinishReason.STOP
+    assert reasons[("stop_str", 0, 0)] is FinishReason.STOP
+    assert reasons[("length", 0, 0)] is FinishReason.LENGTH and reasons[("length", 0, 1)] is FinishReason.ERROR
+    assert {reasons[("multi", p, i)] for p in (0, 1) for i in (0, 1)} == {FinishReason.LENGTH}
+    for request in (r for group in samples.values() for r in group):
+        assert_released(request)
     assert_clean(engine)

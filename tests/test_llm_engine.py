@@ -98,7 +98,7 @@ def test_n_samples_share_prompt_blocks_and_differ(smollm2_loaded):
     engine.step()  # the first sample computes the prompt; the others wait for it
     engine.step()  # then they join, on its full blocks
     bm, num_full = engine.block_manager, (len(prompt) - 1) // engine.block_manager.block_size
-    tables = [bm.block_table(f"fork#{k}") for k in range(4)]
+    tables = [bm.block_table(r) for r in engine._groups["fork"].samples]
     assert num_full >= 2 and all(table[:num_full] == tables[0][:num_full] for table in tables)
     assert [bm.ref_count(b) for b in tables[0][:num_full]] == [4] * num_full
     assert len({table[num_full] for table in tables}) == 4  # each writes its own last block

@@ -121,7 +121,7 @@ def assert_runs_agree(mode, runs, oracle_runs, logits, oracle_logits) -> None:
     _, _, max_bound, rms_bound = MODES[mode]
     errors, diverged = [], []
     for i, (oracle_ids, _) in oracle_runs.items():
-        key = f"{i}#0"
+        key = (str(i), 0)
         n, is_diverged = compared_steps(f"{mode}, request {i}", oracle_ids, oracle_logits[key], runs[i][0],
                                         logits[key], max_bound)
         errors += [(logits[key][j] - oracle_logits[key][j]) / oracle_logits[key][j].abs().max() for j in range(n)]

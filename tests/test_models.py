@@ -144,7 +144,7 @@ def test_engine_logits_at_every_decode_step_match_transformers(case, budget, wor
         ids = prompt + outputs[str(i)]
         with torch.no_grad():  # the logits that predict each output token
             expected = hf(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1:].float()  # [num_decodes, vocab]
-        got = torch.stack(logits[f"{i}#0"])
+        got = torch.stack(logits[(str(i), 0)])
         assert got.shape == expected.shape == (num_decodes, VOCAB)
         diff = (got - expected).abs().amax(dim=-1)  # [num_decodes]
         worst = int(diff.argmax())

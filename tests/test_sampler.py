@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 import torch
 
+from tinyserve.engine.request import Request
 from tinyserve.engine.sampler import Sampler, _never_a_cut_token, process_logits
 from tinyserve.types import (
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    Request,
     SamplingParams,
 )
 
@@ -275,11 +275,13 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
     assert run_steps(Sampler(seed=0), target(seed=43), [], row=0) != alone
 
 
-def test_free_restarts_a_seeded_stream():
+def test_a_dropped_generator_restarts_a_seeded_stream():
+    """The generator lives on the request (LLMEngine._release drops it): a new one starts from the seed."""
     sampler, logits = Sampler(), torch.zeros(1, 1000)
     request = make_request(SamplingParams(seed=9))
     first = [sampler(logits, [request]).next_token_ids[0] for _ in range(2)]
-    sampler.free("r")
+    assert request.generator is not None
+    request.generator = None
     assert sampler(logits, [request]).next_token_ids[0] == first[0] != first[1]
 
 

@@ -9,7 +9,8 @@ import pytest
 from tinyserve.config import SchedulerConfig
 from tinyserve.engine.block_manager import BlockManager
 from tinyserve.engine.scheduler import Scheduler
-from tinyserve.types import FinishReason, Request, RequestStatus, SamplingParams, SchedulerOutput
+from tinyserve.engine.request import Request, RequestStatus, SchedulerOutput
+from tinyserve.types import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -41,7 +42,7 @@ class FakeRunner:
         output = self.scheduler.schedule()
         sampled = {}
         for request, num_new in output.scheduled:
-            table = self.bm.block_table(request.request_id)
+            table = request.block_table
             start = request.num_computed_tokens
             for pos in range(start, start + num_new):
                 block_id = table[pos // BLOCK_SIZE]
@@ -49,8 +50,14 @@ class FakeRunner:
                 self.kv[(block_id, pos % BLOCK_SIZE)] = request.all_token_ids[pos]
             if start + num_new == request.num_tokens:
                 context = [self.kv[(table[p // BLOCK_SIZE], p % BLOCK_SIZE)] for p in range(request.num_tokens)]
-                sampled[request.request_id] = self.model(context, request.index)
-        return output, self.scheduler.update_from_output(output, sampled)
+                sampled[request] = self.model(context, request.index)
+        for request in output.outgrown:  # the engine's part: it finishes what outgrew the pool
+            request.finish_reason = FinishReason.LENGTH
+        updates = self.scheduler.update(output, sampled)
+        for request, reason in updates:
+            if reason is not None:
+                finish(self.scheduler, request, reason)
+        return output, output.outgrown + [request for request, _ in updates]
 
     def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
         outputs = []
@@ -65,10 +72,27 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, pre
     return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, **kw), bm)
 
 
-def make_request(request_id, prompt, max_tokens=8, priority=0, eos=(), index=0, parent_id=None,
+def finish(scheduler: Scheduler, request: Request, reason: FinishReason) -> bool:
+    """The engine's part of finishing (LLMEngine._release): out of the scheduler, its blocks freed.
+    False if it had finished already."""
+    was_finished = request.is_finished
+    scheduler.remove(request)
+    request.finish_reason = request.finish_reason if was_finished else reason
+    return not was_finished
+
+
+def abort(scheduler: Scheduler, request: Request) -> bool:
+    return finish(scheduler, request, FinishReason.ABORT)
+
+
+def ids(requests: list[Request]) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def make_request(request_id, prompt, max_tokens=8, priority=0, eos=(), index=0, parent=None,
                  max_total_tokens=None, **params) -> Request:
     params = SamplingParams(max_tokens=max_tokens, **params)
-    return Request(request_id, list(prompt), params, priority=priority, index=index, parent_id=parent_id,
+    return Request(request_id, list(prompt), params, priority=priority, index=index, parent=parent,
                    eos_token_ids=frozenset(eos), max_total_tokens=max_total_tokens)
 
 
@@ -95,7 +119,7 @@ def test_single_request_runs_to_max_tokens():
     assert [[n for _, n in o.scheduled] for o in outputs] == [[6], [1], [1], [1], [1]]
     assert request.output_token_ids == reference(prompt_of(6), 5)
     assert request.finish_reason is FinishReason.LENGTH and request.first_token_time is not None
-    assert scheduler.get_request("a") is None
+    assert request.is_finished and not scheduler.has_unfinished_requests()
     assert_all_free(scheduler)
 
 
@@ -158,11 +182,11 @@ def test_preemption_by_recompute_keeps_tokens_and_matches_unconstrained_run():
     while not scheduler.num_preemptions:
         tokens_before = list(b.output_token_ids)
         output, _ = runner.step()
-    assert output.preempted_ids == ["b"] and [r.request_id for r, _ in output.scheduled] == ["a"]
+    assert ids(output.preempted) == ["b"] and [r.request_id for r, _ in output.scheduled] == ["a"]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert b.output_token_ids == tokens_before and len(tokens_before) > 0
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # front of its level, before c
-    assert scheduler.block_manager.block_table("b") == []
+    assert b.block_table == []
     runner.run()
     assert a.output_token_ids == reference(prompt_of(8, 0), 12)
     assert b.output_token_ids == reference(prompt_of(8, 30), 12)
@@ -178,7 +202,7 @@ def test_preemption_victim_is_lowest_priority_even_if_older():
     runner = FakeRunner(scheduler)
     preempted = []
     while scheduler.has_unfinished_requests():
-        preempted += runner.step()[0].preempted_ids
+        preempted += ids(runner.step()[0].preempted)
     assert preempted and set(preempted) == {"low"} and high.num_preemptions == 0
     assert low.output_token_ids == reference(prompt_of(8, 0), 12)
     assert_all_free(scheduler)
@@ -195,7 +219,7 @@ def test_request_needing_the_block_preempts_itself_and_stops():
     output, _ = runner.step()  # low decodes token 8; high's first chunk takes the last 2 blocks
     assert [(r.request_id, n) for r, n in output.scheduled] == [("low", 1), ("high", 7)]
     output, _ = runner.step()  # low needs a 3rd block and is itself the lowest priority: it yields, and
-    assert output.preempted_ids == ["low"] and output.is_empty  # the step stops there
+    assert ids(output.preempted) == ["low"] and output.is_empty  # the step stops there
     assert scheduler.waiting == [low] and scheduler.block_manager.num_free_blocks == 2
     runner.run()
     assert low.output_token_ids == reference(prompt_of(7, 0), 6)
@@ -214,7 +238,7 @@ def test_preempting_a_request_already_scheduled_this_step_gives_its_tokens_back(
     output, _ = runner.step()
     assert [(r.request_id, n) for r, n in output.scheduled] == [("low", 1), ("high", 5)]
     output, _ = runner.step()  # low's decode is scheduled first, then high's chunk needs low's blocks
-    assert output.preempted_ids == ["low"]
+    assert ids(output.preempted) == ["low"]
     # the chunk was sized before the refund; the budget no longer counts low's token
     assert [(r.request_id, n) for r, n in output.scheduled] == [("high", 5)] and output.num_batched_tokens == 5
     runner.run()
@@ -231,7 +255,7 @@ def test_request_that_outgrows_the_whole_pool_finishes_with_length():
     outputs = FakeRunner(scheduler).run()
     assert request.finish_reason is FinishReason.LENGTH and request.num_tokens == 9
     assert request.output_token_ids == reference(prompt_of(6), 3)
-    assert outputs[-1].finished_ids == ["a"]
+    assert ids(outputs[-1].outgrown) == ["a"]
     assert_all_free(scheduler)
 
 
@@ -244,13 +268,13 @@ def test_abort_waiting_and_running_frees_blocks_at_once():
     runner.step()
     assert scheduler.num_running == 1 and scheduler.num_waiting == 1
     assert scheduler.block_manager.num_free_blocks == 5
-    assert scheduler.abort("wait") and not scheduler.abort("wait")
+    assert abort(scheduler, waiting) and not abort(scheduler, waiting)
     assert waiting.finish_reason is FinishReason.ABORT and scheduler.num_waiting == 0
-    assert scheduler.abort("run")
+    assert abort(scheduler, running)
     assert running.finish_reason is FinishReason.ABORT and running.is_finished
     assert scheduler.block_manager.num_free_blocks == 8
     output = scheduler.schedule()
-    assert output.is_empty and output.finished_ids == ["wait", "run"]
+    assert output.is_empty and waiting.block_table == running.block_table == []
     assert_all_free(scheduler)
 
 
@@ -260,11 +284,11 @@ def test_finishing_from_outside_the_step():
     add(scheduler, stopped, aborted)
     runner = FakeRunner(scheduler)
     runner.step()
-    assert scheduler.finish_request("a", FinishReason.STOP) and stopped.finish_reason is FinishReason.STOP
+    assert finish(scheduler, stopped, FinishReason.STOP) and stopped.finish_reason is FinishReason.STOP
     output = scheduler.schedule()
-    assert output.finished_ids == ["a"] and [r.request_id for r, _ in output.scheduled] == ["b"]
-    scheduler.abort("b")  # while the step runs: update must skip it
-    assert scheduler.update_from_output(output, {"b": 7}) == [] and aborted.num_output_tokens == 1
+    assert stopped.block_table == [] and [r.request_id for r, _ in output.scheduled] == ["b"]
+    abort(scheduler, aborted)  # while the step runs: update must skip it
+    assert scheduler.update(output, {aborted: 7}) == [] and aborted.num_output_tokens == 1
     assert_all_free(scheduler)
 
 
@@ -306,7 +330,7 @@ def test_n_samples_fork_the_prompt_blocks(prefix_caching):
     scheduler = make_scheduler(prefix_caching=prefix_caching)
     prompt = prompt_of(10)
     samples = [make_request("s0", prompt, max_tokens=6)]
-    samples += [make_request(f"s{i}", prompt, max_tokens=6, index=i, parent_id="s0") for i in (1, 2)]
+    samples += [make_request(f"s{i}", prompt, max_tokens=6, index=i, parent=samples[0]) for i in (1, 2)]
     add(scheduler, *samples)
     runner = FakeRunner(scheduler)
     output, _ = runner.step()
@@ -314,7 +338,7 @@ def test_n_samples_fork_the_prompt_blocks(prefix_caching):
     output, _ = runner.step()
     assert [(r.request_id, n) for r, n in output.scheduled] == [("s0", 1), ("s1", 2), ("s2", 2)]
     bm = scheduler.block_manager
-    tables = [bm.block_table(r.request_id) for r in samples]
+    tables = [r.block_table for r in samples]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
     assert [bm.ref_count(b) for b in tables[0]] == [3, 3, 1]
     assert samples[1].num_cached_tokens == 8
@@ -327,9 +351,9 @@ def test_n_samples_fork_the_prompt_blocks(prefix_caching):
 def test_child_prefills_alone_when_the_parent_is_gone():
     scheduler = make_scheduler()
     parent = make_request("p", prompt_of(10), max_tokens=3)
-    child = make_request("c", prompt_of(10), max_tokens=3, index=1, parent_id="p")
+    child = make_request("c", prompt_of(10), max_tokens=3, index=1, parent=parent)
     add(scheduler, parent, child)
-    assert scheduler.abort("p")
+    assert abort(scheduler, parent)
     output, _ = FakeRunner(scheduler).step()
     assert [(r.request_id, n) for r, n in output.scheduled] == [("c", 10)]
 
@@ -364,13 +388,14 @@ def test_randomized_run_keeps_invariants():
             n, max_tokens, priority = rng.choice([1, 1, 2, 3]), rng.randint(1, 12), rng.randint(0, 2)
             for i in range(n):
                 request_id = f"q{step}.{i}"
-                parent = f"q{step}.0" if i else None
-                requests[request_id] = make_request(request_id, prompt, max_tokens, priority, index=i, parent_id=parent)
+                parent = requests[f"q{step}.0"] if i else None
+                requests[request_id] = make_request(request_id, prompt, max_tokens, priority, index=i, parent=parent)
                 scheduler.add_request(requests[request_id])
                 expected[request_id] = reference(prompt, max_tokens, salt=i)
-        if scheduler.requests and rng.random() < 0.03:
-            victim = rng.choice(sorted(scheduler.requests))
-            assert scheduler.abort(victim)
+        live = [r.request_id for r in requests.values() if not r.is_finished]
+        if live and rng.random() < 0.03:
+            victim = rng.choice(sorted(live))
+            assert abort(scheduler, requests[victim])
             aborted.add(victim)
         output, changed = runner.step()
         ids = [r.request_id for r, _ in output.scheduled]
@@ -379,10 +404,11 @@ def test_randomized_run_keeps_invariants():
         finished.update(r.request_id for r in changed if r.is_finished)
         scheduler.block_manager.check_invariants()
         for request in scheduler.waiting:
-            assert scheduler.block_manager.block_table(request.request_id) == []
+            assert request.block_table == []
         for request in scheduler.running:
             assert request.num_computed_tokens < request.num_tokens
-        assert set(scheduler.requests) == {r.request_id for r in scheduler.waiting + scheduler.running}
+        unfinished = {r.request_id for r in requests.values() if not r.is_finished}
+        assert unfinished == {r.request_id for r in scheduler.waiting + scheduler.running}
         finished |= aborted
     assert_all_free(scheduler)
     assert scheduler.num_preemptions > 0 and scheduler.block_manager.prefix_stats.num_hit_blocks > 0
@@ -398,24 +424,25 @@ def test_waiting_queue_at_scale_keeps_order_without_linear_work():
     rng = random.Random(3)
     scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
     deadline = time.monotonic() + 10.0
-    keys, params = {}, SamplingParams(max_tokens=1)
+    keys, by_id, params = {}, {}, SamplingParams(max_tokens=1)
     for i in range(20_000):
         # many arrival ties: add order decides
         request = Request(f"r{i}", prompt_of(3), params, arrival_time=float(rng.randint(0, 500)),
                           priority=rng.randint(0, 3))
         scheduler.add_request(request)
         keys[request.request_id] = (request.priority, request.arrival_time, i)
+        by_id[request.request_id] = request
         assert i % 1000 or time.monotonic() < deadline, f"adding slowed down at {i} waiting"
     for n, request_id in enumerate(rng.sample(sorted(keys), 10_000)):
-        assert scheduler.abort(request_id)
+        assert abort(scheduler, by_id[request_id])
         del keys[request_id]
         assert n % 1000 or time.monotonic() < deadline, f"aborting slowed down after {n}"
     paused = rng.sample(sorted(keys), 2_000)
     for request_id in paused:
-        scheduler.set_paused(request_id, True)
+        scheduler.set_paused(by_id[request_id], True)
     assert (scheduler.num_waiting, scheduler.num_paused) == (8_000, 2_000)
     for request_id in paused[:1_000]:
-        scheduler.set_paused(request_id, False)
+        scheduler.set_paused(by_id[request_id], False)
     still_paused = set(paused[1_000:])
     assert time.monotonic() < deadline
     expected = sorted(keys, key=keys.get)
@@ -428,16 +455,16 @@ def test_paused_waiting_request_blocks_nobody_and_resumes_in_its_place():
     scheduler = make_scheduler(max_num_seqs=1)
     a, b, c = (make_request(i, prompt_of(3, 10 * n), max_tokens=2) for n, i in enumerate("abc"))
     add(scheduler, a, b, c)
-    scheduler.set_paused("a", True)
+    scheduler.set_paused(a, True)
     runner = FakeRunner(scheduler)
     output, _ = runner.step()
     assert [r.request_id for r, _ in output.scheduled] == ["b"]
     assert (scheduler.num_waiting, scheduler.num_paused) == (1, 1)  # a holds no place in admission's queue
-    scheduler.set_paused("a", False)
+    scheduler.set_paused(a, False)
     order = [o.scheduled[0][0].request_id for o in runner.run()]
     assert order == ["b", "a", "a", "c", "c"]
     assert a.output_token_ids == reference(prompt_of(3, 0), 2)
-    scheduler.set_paused("gone", True)  # unknown id: no-op
+    scheduler.set_paused(b, True)  # finished: no-op
     assert_all_free(scheduler)
 
 
@@ -449,15 +476,15 @@ def test_paused_running_request_is_preempted_and_recomputes_when_resumed():
     runner = FakeRunner(scheduler)
     runner.step()
     assert [r.request_id for r in scheduler.running] == ["a"]
-    scheduler.set_paused("a", True)  # its seat (max_num_seqs=1) and blocks go to b at once
-    assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 0 and scheduler.is_paused("a")
-    assert scheduler.block_manager.block_table("a") == [] and a.num_output_tokens == 1
+    scheduler.set_paused(a, True)  # its seat (max_num_seqs=1) and blocks go to b at once
+    assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 0 and scheduler.is_paused(a)
+    assert a.block_table == [] and a.num_output_tokens == 1
     while not b.is_finished:
         output, _ = runner.step()
         assert [r.request_id for r, _ in output.scheduled] == ["b"]  # paused: a is not re-admitted
     assert b.output_token_ids == reference(prompt_of(8, 30), 12)
     assert (scheduler.num_waiting, scheduler.num_paused) == (0, 1) and runner.step()[0].is_empty
-    scheduler.set_paused("a", False)
+    scheduler.set_paused(a, False)
     runner.run()
     assert a.output_token_ids == reference(prompt_of(8, 0), 12)
     assert_all_free(scheduler)

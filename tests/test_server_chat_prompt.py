@@ -2,7 +2,7 @@
 
 The oracle: the GGUF's own template string (read from its metadata, not through our Tokenizer) rendered
 by a jinja2 environment built here, and the ids transformers' apply_chat_template gave for the same
-conversations, frozen below. The server's side: what LLMEngine.add_request received (a spy on the
+conversations, frozen below. The server's side: what LLMEngine.add_validated received (a spy on the
 engine the server steps), the response's usage.prompt_tokens, and /tokenize with the same messages.
 """
 

@@ -134,10 +134,10 @@ class _FakeTokenizer:
 def test_logprob_formats():
     texts = TokenTexts(_FakeTokenizer())
     lps = [TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.0))), TokenLogprob(3, float("-inf"), ())]
-    legacy = completion_logprobs(texts, lps, text_offset=4)
+    legacy = completion_logprobs(texts, lps, text_offset=4).dump()
     assert legacy == {"tokens": ["Hel", " wörld"], "token_logprobs": [-0.5, -9999.0],
                       "top_logprobs": [{"Hel": -0.5, "lo": -1.0}, {}], "text_offset": [4, 7]}
-    chat = chat_logprobs(texts, lps)["content"]
+    chat = chat_logprobs(texts, lps).dump()["content"]
     assert chat[0]["top_logprobs"][1] == {"token": "lo", "logprob": -1.0, "bytes": [108, 111]}
     assert bytes(chat[1]["bytes"]).decode() == " wörld"
 

@@ -75,12 +75,12 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         results = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            ids = self.engine.add_request(str(i), prompt, p)
+            ids = self.engine.add_request("generate", prompt, p, prompt_index=i)
             samples = [SampleResult(index=k, logprobs=[] if p.logprobs is not None else None) for k in range(p.n)]
             results.append(GenerationResult(prompt, ids, samples, Usage(len(ids), 0)))
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                result = results[int(out.request_id)]
+                result = results[out.prompt_index]
                 sample = result.outputs[out.index]
                 sample.text += out.new_text
                 sample.token_ids.extend(out.new_token_ids)

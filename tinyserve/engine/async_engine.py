@@ -9,8 +9,8 @@ back through `loop.call_soon_threadsafe`, one call per step.
 
 `launch` builds the LLMEngine on the engine thread itself, so that one thread runs all of torch's work.
 Why: each thread that runs a parallel op gets its own OpenMP team, and once libgomp manages more
-threads than there are cores it stops spinning between parallel regions; a 2-core server that loaded
-its model on one thread and stepped it on another took 40 ms per batch-1 step instead of 26.
+threads than there are cores it stops spinning between parallel regions, and each step got slower
+(docs/PERFORMANCE.md, "Measured in passing").
 
 Bounds, so that no client can hold the server: each stream's buffer is bounded (engine/request_stream.py:
 a reader that falls behind pauses its request), a stream can be ended on the event loop without the engine
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.request_stream import RequestStream
-from tinyserve.engine.stats import EngineStats
+from tinyserve.engine.stats import EngineStats, LoopStats
 from tinyserve.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class EngineStalledError(EngineDeadError):
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt, added under prompt_index 0, 1, ...
     params: SamplingParams
     priority: int
     arrival_time: float
@@ -65,17 +65,6 @@ class _Abort:
 class _Pause:
     request_id: str
     paused: bool
-
-
-@dataclass(frozen=True)
-class LoopStats:
-    """Where the engine thread's time went since start-up (seconds), for starvation measurements: a step
-    loop starved by other threads shows up as a longer mean step at the same batch, or as overhead."""
-
-    num_steps: int
-    step_seconds: float  # inside LLMEngine.step()
-    overhead_seconds: float  # inbox, stats, delivery and listeners, while work was pending
-    max_gap_seconds: float  # longest time between the end of one step and the start of the next
 
 
 class AsyncEngine:
@@ -100,7 +89,6 @@ class AsyncEngine:
         self._busy_since: float | None = None  # monotonic start of the iteration now running, if any
         self._is_stall_reported = False
         self.stats: EngineStats = engine.stats()
-        self.finished_listeners: list[Callable[[RequestOutput], None]] = []  # engine thread, each final output
         # engine thread, once per step with all its outputs and the time they were produced (monotonic)
         self.step_listeners: list[Callable[[list[RequestOutput], float], None]] = []
         self._step_s = self._overhead_s = self._max_gap_s = 0.0
@@ -173,13 +161,14 @@ class AsyncEngine:
     def loop_stats(self) -> LoopStats:
         return LoopStats(self._num_loop_steps, self._step_s, self._overhead_s, self._max_gap_s)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                priority: int = 0, arrival_time: float | None = None,
                cache_salt: str | None = None) -> RequestStream:
-        """Queue a request now (synchronously, from the event loop's thread) and return its stream.
-        Raises ValueError (the engine's validation) or EngineDeadError before anything is queued."""
-        self.engine.validate(prompt_token_ids, params)  # reads config only: safe from this thread
-        stream = RequestStream(self, request_id, params.n)
+        """Queue a request of one or more prompts now (synchronously, from the event loop's thread) and
+        return its one stream, every prompt's samples interleaved (RequestOutput.prompt_index, .index).
+        Each prompt must have passed `validate` (the server's intake runs it, once). Raises
+        EngineDeadError before anything is queued."""
+        stream = RequestStream(self, request_id, params.n, len(prompts))
         with self._streams_lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine is not running")
@@ -187,20 +176,25 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._post(_Add(request_id, prompt_token_ids, params, priority, arrival, cache_salt))
+        self._post(_Add(request_id, prompts, params, priority, arrival, cache_salt))
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, arrival_time: float | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (all n samples interleaved) until every sample has finished.
-        Closing the iterator early (client gone) aborts the request."""
-        stream = self.submit(request_id, prompt_token_ids, params, priority, arrival_time, cache_salt)
+        """Validate and stream a one-prompt request's outputs (all n samples interleaved) until every
+        sample has finished. Closing the iterator early (client gone) aborts the request."""
+        self.validate(prompt_token_ids, params)
+        stream = self.submit(request_id, [prompt_token_ids], params, priority, arrival_time, cache_salt)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks (InvalidRequest); they read config only, so any thread may run them."""
+        self.engine.validate(prompt_token_ids, params)
 
     def _close_stream(self, request_id: str, finished: bool) -> None:
         with self._streams_lock:
@@ -232,7 +226,7 @@ class AsyncEngine:
         with self._wake:
             self._inbox.append(item)
             if isinstance(item, _Add):
-                self._num_unapplied += item.params.n
+                self._num_unapplied += item.params.n * len(item.prompts)
             self._wake.notify()
 
     # the engine thread
@@ -286,7 +280,7 @@ class AsyncEngine:
             elif isinstance(item, _Pause):
                 self.engine.set_paused(item.request_id, item.paused)
             else:
-                num_added += item.params.n
+                num_added += item.params.n * len(item.prompts)
                 self._add(item)
         if num_added:
             self.stats = self.engine.stats()  # the new samples now count in stats.num_waiting
@@ -298,17 +292,17 @@ class AsyncEngine:
         if item.request_id not in self._streams:  # its client left (or its deadline passed) while queued
             return
         try:
-            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority,
-                                    item.arrival_time, item.cache_salt)
+            for prompt_index, prompt_token_ids in enumerate(item.prompts):
+                self.engine.add_validated(item.request_id, prompt_token_ids, item.params, item.priority,
+                                          item.arrival_time, item.cache_salt, prompt_index)
         except ValueError as exc:  # validated before, so only a race (e.g. duplicate id) lands here
+            if prompt_index:  # the prompts queued before it go too: the stream ends with the error
+                self.engine.abort(item.request_id)
             self._deliver_error(item.request_id, exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            if out.finished:
-                for listener in self.finished_listeners:
-                    listener(out)
             entry = self._streams.get(out.request_id)
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], out))

@@ -10,9 +10,9 @@ import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from tinyserve.types import Request
+from tinyserve.engine.request import Request
+from tinyserve.engine.stats import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
 
@@ -20,20 +20,6 @@ logger = logging.getLogger(__name__)
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     """Chained key of one full block: the same tokens after a different prefix get a different key."""
     return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
-
-
-@dataclass
-class PrefixCacheStats:
-    """Counted when a request first allocates (and again after each preemption); the engine reports them."""
-
-    num_query_blocks: int = 0  # full blocks looked up (a request's last token is never looked up)
-    num_hit_blocks: int = 0
-    num_query_tokens: int = 0  # all known tokens of the looked-up requests
-    num_hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
 class BlockManager:
@@ -72,9 +58,7 @@ class BlockManager:
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._tables: dict[str, list[int]] = {}
-        self._num_hashed: dict[str, int] = {}  # per request: leading table blocks already offered to the cache
-        self._request_hashes: dict[str, list[bytes]] = {}  # per request: chained hashes of its full blocks
+        self._holders: set[Request] = set()  # requests holding blocks, for check_invariants only
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -86,9 +70,10 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def block_table(self, request_id: str) -> list[int]:
+    @staticmethod
+    def block_table(request: Request) -> list[int]:
         """The request's block ids in token order (read-only; empty when it holds none)."""
-        return self._tables.get(request_id, [])
+        return request.block_table
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -117,33 +102,37 @@ class BlockManager:
         if plan is None:
             return False
         cached_blocks, num_fresh = plan
-        table = self._tables.setdefault(request.request_id, [])
-        if not table and self.enable_prefix_caching:
-            self._count_prefix_query(request, len(cached_blocks))
+        table = request.block_table
+        if not table:
+            if self.enable_prefix_caching:
+                self._count_prefix_query(request, len(cached_blocks))
+            request.num_hashed_blocks = len(cached_blocks)
         for block_id in cached_blocks:  # before any fresh block, so eviction cannot take them
             self._take(block_id)
         table.extend(cached_blocks)
-        self._num_hashed.setdefault(request.request_id, len(cached_blocks))
         table.extend(self._pop_fresh() for _ in range(num_fresh))
+        if table:
+            self._holders.add(request)
         return True
 
     def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
         """Let the child (holding no blocks) share the parent's first num_blocks blocks, all full."""
-        parent_table = self._tables[parent.request_id]
-        assert child.request_id not in self._tables, f"{child.request_id} already holds blocks"
+        assert not child.block_table, f"{child} already holds blocks"
         assert num_blocks * self.block_size <= parent.num_computed_tokens, "only computed, full blocks are shared"
-        shared = parent_table[:num_blocks]
+        shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._take(block_id)
-        self._tables[child.request_id] = list(shared)
-        self._num_hashed[child.request_id] = num_blocks
+        child.block_table = list(shared)
+        child.num_hashed_blocks = num_blocks
+        if shared:
+            self._holders.add(child)
 
     def free(self, request: Request) -> None:
         """Drop the request's blocks (no-op for one that holds none, e.g. still waiting)."""
-        self._request_hashes.pop(request.request_id, None)
-        self._num_hashed.pop(request.request_id, None)
-        table = self._tables.pop(request.request_id, None)
-        for block_id in reversed(table or []):
+        table, request.block_table = request.block_table, []
+        request.block_hashes, request.num_hashed_blocks = [], 0
+        self._holders.discard(request)
+        for block_id in reversed(table):
             assert self._ref_counts[block_id] > 0, f"double free of block {block_id}"
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
@@ -154,9 +143,9 @@ class BlockManager:
         """Give a hash to each of the request's blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        table = self._tables[request.request_id]
+        table = request.block_table
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        start = self._num_hashed[request.request_id]
+        start = request.num_hashed_blocks
         hashes = self._hashes_of(request, num_full)
         for i in range(start, num_full):
             block_id, block_hash = table[i], hashes[i]
@@ -165,13 +154,14 @@ class BlockManager:
             if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
                 self._block_hashes[block_id] = block_hash
                 self._hash_to_block[block_hash] = block_id
-        self._num_hashed[request.request_id] = max(start, num_full)
+        request.num_hashed_blocks = max(start, num_full)
 
     def check_invariants(self) -> None:
         """O(num_blocks) full check, for tests and debugging."""
         holders = [0] * self.num_blocks
-        for request_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"{request_id} holds a block twice"
+        for request in self._holders:
+            table = request.block_table
+            assert len(set(table)) == len(table), f"{request} holds a block twice"
             for block_id in table:
                 holders[block_id] += 1
         assert holders == self._ref_counts, "ref counts differ from block-table membership"
@@ -184,7 +174,7 @@ class BlockManager:
 
     def _plan(self, request: Request, num_new_tokens: int, num_cached_tokens: int) -> tuple[list[int], int] | None:
         """(cached blocks to take, fresh blocks to pop), or None when the free pool is too small."""
-        table = self._tables.get(request.request_id, [])
+        table = request.block_table
         cached_blocks: list[int] = []
         if num_cached_tokens:
             assert not table and request.num_computed_tokens == 0, "a cached prefix only starts a table"
@@ -214,7 +204,7 @@ class BlockManager:
     def _hashes_of(self, request: Request, num_blocks: int) -> list[bytes]:
         """Chained hashes of (at least) the request's first num_blocks full blocks, memoized: its tokens
         only grow, so a full block's hash never changes."""
-        hashes = self._request_hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         token_ids = request.all_token_ids if len(hashes) < num_blocks else []
         while len(hashes) < num_blocks:
             start = len(hashes) * self.block_size

@@ -121,10 +121,6 @@ class IncrementalDetokenizer:
         self.text = ""  # everything released so far
         self.stop_hit: str | None = None
 
-    @property
-    def is_stopped(self) -> bool:
-        return self.stop_hit is not None
-
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Add the sequence's new ids; returns the text they complete (possibly "")."""
         if self.stop_hit is not None:

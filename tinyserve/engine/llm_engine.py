@@ -1,8 +1,14 @@
 """The synchronous engine: add_request / step / abort over one model, one KV pool, one scheduler.
 
-A step: the scheduler picks (request, chunk) pairs; the runner runs them as one batch and samples; the
-scheduler appends tokens and finishes what hit a stop condition; the output processor turns that into
-text deltas. Nothing here knows about HTTP.
+A step, in stages: schedule (the scheduler picks (request, chunk) pairs) -> execute (the runner runs them
+as one batch and samples) -> update (the scheduler appends the tokens and reports EOS and length limits)
+-> detokenize (text deltas; stop strings) -> release (every request that ended) -> outputs. Nothing
+here knows about HTTP.
+
+One lifecycle: the engine owns every unfinished request, through the RequestGroup of its user request
+id, and every way a request ends (EOS, a stop id or string, length, the pool outgrown, abort, timeout,
+an error) goes through `_release`, which takes it out of the scheduler and drops all it held: blocks,
+seeded generator, detokenizer, and its group once the group's last sample has ended.
 
 Failure isolation: an exception that one request's data can cause fails that request, never the engine.
 In a per-request stage (applying its token, detokenizing, stop strings, building its output) it fails
@@ -29,11 +35,12 @@ from tinyserve.engine.memory import (
 )
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
+from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.stats import EngineStats
 from tinyserve.loader.model_loader import LoadedModel, load_model
 from tinyserve.models.registry import device_and_dtype
-from tinyserve.types import FinishReason, Request, RequestOutput, SamplingParams, SchedulerOutput
+from tinyserve.types import FinishReason, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -64,80 +71,85 @@ class LLMEngine:
             keep_freed_host_memory()
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._samples: dict[str, list[str]] = {}  # user request id -> its samples' internal ids
+        self._groups: dict[str, RequestGroup] = {}  # user request id -> its unfinished samples' group
         self.num_steps = 0
         self.num_failed_requests = 0
         self._num_consecutive_failed_steps = 0
 
-    # ---- requests in -----------------------------------------------------------------------------
+    # requests in
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Meaning checks the server turns into 400s; ValueError names the field and the numbers."""
+        """Meaning checks the server turns into 400s: InvalidRequest names the field and the numbers.
+        Each entry runs them once: add_request here, the server's intake before AsyncEngine.submit."""
         if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequest("prompt must not be empty", param="prompt")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt has {n} tokens, but the model's context is {self.max_model_len} tokens "
-                "(at least one token must be left to generate)"
-            )
+                "(at least one token must be left to generate)", param="prompt", code="context_length_exceeded")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
-                f"the model's context of {self.max_model_len} tokens"
-            )
+                f"the model's context of {self.max_model_len} tokens", param="max_tokens",
+                code="context_length_exceeded")
         if any(not 0 <= t < vocab for t in params.logit_bias_ids):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+            raise InvalidRequest(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> list[int]:
-        """Queue a request (its n samples); returns the prompt token ids. Only requests with the same
-        cache_salt share prefix-cache blocks (None: the shared cache)."""
-        if request_id in self._samples:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    prompt_index: int = 0) -> list[int]:
+        """Queue one prompt of a request (its n samples); returns the prompt token ids. A request with
+        several prompts adds each under its own prompt_index. Only requests with the same cache_salt
+        share prefix-cache blocks (None: the shared cache)."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(prompt_ids, params)
+        self.add_validated(request_id, prompt_ids, params, priority, arrival_time, cache_salt, prompt_index)
+        return prompt_ids
+
+    def add_validated(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                      arrival_time: float | None = None, cache_salt: str | None = None,
+                      prompt_index: int = 0) -> None:
+        """add_request for a prompt its caller has validated (AsyncEngine: the server's intake did)."""
+        group = self._groups.get(request_id)
+        if group is not None and any(r.prompt_index == prompt_index for r in group.samples):
+            raise ValueError(f"request id {request_id!r} is already in flight")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        ids = [f"{request_id}#{i}" for i in range(params.n)]
-        for index, internal_id in enumerate(ids):
+        samples: list[Request] = []
+        for index in range(params.n):
             request = Request(
-                request_id=internal_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                arrival_time=arrival, priority=priority, index=index,
-                parent_id=ids[0] if index else None,
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                arrival_time=arrival, priority=priority, index=index, prompt_index=prompt_index,
+                parent=samples[0] if samples else None,
                 eos_token_ids=frozenset(self.model_config.eos_token_ids),
                 max_total_tokens=self.max_model_len, cache_salt=cache_salt,
             )
+            self.scheduler.add_request(request)  # the first one raises if the prompt cannot fit the pool
             self.outputs.add(request)
-            self.scheduler.add_request(request)
-        self._samples[request_id] = ids
+            samples.append(request)
+        self._groups.setdefault(request_id, RequestGroup(request_id)).samples.extend(samples)
         logger.debug("request %s queued: %d prompt tokens, n=%d", request_id, len(prompt_ids), params.n)
-        return prompt_ids
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-              error: str | None = None) -> list[RequestOutput]:
+    def abort(self, request_id: str) -> list[RequestOutput]:
         """Cancel every unfinished sample of a request now (blocks freed); their final outputs."""
+        group = self._groups.get(request_id)
         finals = []
-        for internal_id in self._samples.pop(request_id, []):
-            request = self.scheduler.get_request(internal_id)
-            if request is not None and self.scheduler.finish_request(internal_id, reason):
-                self.runner.free(internal_id)
-                try:
-                    finals.append(self.outputs.finished_without_token(request, reason, error))
-                except Exception:  # its detokenizer failed: the abort still ends it, without its held text
-                    logger.exception("request %s: final output failed", internal_id)
-                    finals.append(self.outputs.finished_without_text(request, reason, error))
+        for request in group.unfinished if group is not None else []:
+            self._release(request, FinishReason.ABORT)
+            finals.append(self._output_of(request, None, None))
         return finals
 
     def set_paused(self, request_id: str, paused: bool) -> None:
         """A paused request's samples are not scheduled until resumed (a running one is preempted, a
         waiting one set aside: it holds no seat or block and blocks nobody). Unknown id: no-op."""
-        for internal_id in self._samples.get(request_id, []):
-            self.scheduler.set_paused(internal_id, paused)
+        group = self._groups.get(request_id)
+        for request in group.unfinished if group is not None else []:
+            self.scheduler.set_paused(request, paused)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -146,90 +158,108 @@ class LLMEngine:
         """Unfinished requests that are not all paused: a step now would do something."""
         return self.scheduler.has_schedulable_requests()
 
-    # ---- one step ---------------------------------------------------------------------------------
+    # one step
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> execute (the batch stage) -> update -> detokenize and build outputs (per request)."""
-        scheduled = self.scheduler.schedule()
-        for request_id in scheduled.finished_ids:
-            self.runner.free(request_id)
+        """schedule -> execute -> update -> detokenize -> release -> outputs, in step order."""
+        plan = self.scheduler.schedule()
         try:
-            result = self._execute(scheduled)
+            result = self._execute(plan)
         except AssertionError:
             raise
         except Exception as exc:
-            return self._fail_batch(scheduled, exc)
+            return self._fail_batch(plan, exc)
         self._num_consecutive_failed_steps = 0
-        return self._collect(self.scheduler.update_from_output(scheduled, result.sampled), result)
+        # (request, why it ended or None, its text delta or None when it got no token to show)
+        ends: list[tuple[Request, FinishReason | None, str | None]] = [
+            (request, FinishReason.LENGTH, None) for request in plan.outgrown]
+        for request, reason in self.scheduler.update(plan, result.sampled):
+            ends.append(self._detokenize(request, reason))
+        outputs = []
+        for request, reason, text in ends:
+            if reason is not None:
+                self._release(request, reason)
+            outputs.append(self._output_of(request, text, result.logprobs.get(request)))
+        return outputs
 
-    def _execute(self, scheduled: SchedulerOutput) -> StepResult:
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
         """The batch stage: one forward pass and one sample over every scheduled request."""
-        if scheduled.is_empty:
+        if plan.is_empty:
             return StepResult({}, {})
-        tables = [self.block_manager.block_table(r.request_id) for r, _ in scheduled.scheduled]
-        result = self.runner.execute(scheduled.scheduled, tables)
+        result = self.runner.execute(plan.scheduled)
         self.num_steps += 1
         return result
 
-    def _collect(self, changed: list[Request], result: StepResult) -> list[RequestOutput]:
-        outputs = []
-        for request in changed:
-            try:
-                outputs.append(self._output_of(request, result))
-            except AssertionError:
-                raise
-            except Exception:
-                logger.exception("request %s failed while its output was built", request.request_id)
-                outputs.append(self._fail(request))
+    def _detokenize(self, request: Request,
+                    reason: FinishReason | None) -> tuple[Request, FinishReason | None, str | None]:
+        """The request's new text; a completed stop string ends it with STOP, a failure with ERROR."""
+        if reason is FinishReason.ERROR:  # failed in the scheduler's update, which logged it
+            return request, reason, None
+        try:
+            text, stop_hit = self.outputs.new_text(request)
+        except Exception:
+            logger.exception("%s failed while its text was decoded", request)
+            return request, FinishReason.ERROR, None
+        # a token that both ends the request (EOS, length) and completes a stop string keeps the first reason
+        return request, FinishReason.STOP if stop_hit and reason is None else reason, text
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        """The one exit of a request: out of the scheduler (its blocks freed), its generator dropped, its
+        group forgotten after its last sample. The detokenizer goes once the final output is built."""
+        self.scheduler.remove(request)
+        request.finish_reason = reason
+        request.finished_time = time.monotonic()
+        request.generator = None
+        if reason is FinishReason.ERROR:
+            self.num_failed_requests += 1
+        group = self._groups.get(request.request_id)
+        if group is not None and not group.unfinished:
+            del self._groups[request.request_id]
+        logger.debug("finished %s (%s, %d output tokens, %d blocks free)", request, reason.value,
+                     request.num_output_tokens, self.block_manager.num_free_blocks)
+
+    def _output_of(self, request: Request, text: str | None, logprob: TokenLogprob | None) -> RequestOutput:
+        """The request's output for this step: its token and text delta (`text`), or, when it got no
+        token to show (`text` None), the final output of a request ended from outside. A failure here
+        fails the request alone."""
+        try:
+            if request.finish_reason is FinishReason.ERROR:
+                return self.outputs.final_without_text(request, GENERATION_FAILED)
+            if text is None:
+                return self.outputs.final_without_token(request)
+            return self.outputs.token_output(request, text, logprob)
+        except AssertionError:
+            raise
+        except Exception:
+            logger.exception("%s failed while its output was built", request)
+            if not request.is_finished:
+                self._release(request, FinishReason.ERROR)
+            elif request.finish_reason is not FinishReason.ABORT:  # an abort still ends it, without its text
+                request.finish_reason = FinishReason.ERROR
+                self.num_failed_requests += 1
+            error = None if request.finish_reason is FinishReason.ABORT else GENERATION_FAILED
+            return self.outputs.final_without_text(request, error)
+        finally:
             if request.is_finished:
-                self._forget_sample(request)
-        return outputs
+                request.detokenizer = None
 
-    def _output_of(self, request: Request, result: StepResult) -> RequestOutput:
-        """Detokenize the request's new token, apply stop strings, build its output."""
-        is_sampled = request.request_id in result.sampled
-        if request.finish_reason is FinishReason.ERROR:  # failed in update_from_output, which logged it
-            return self._fail(request)
-        if request.is_finished and is_sampled:
-            # finished by update_from_output (EOS, length); every other finish (abort, stop string,
-            # outgrown pool) comes back in the next step's finished_ids, where step() frees it
-            self.runner.free(request.request_id)
-        if not is_sampled:
-            # finished in schedule() without a new token (it outgrew the whole KV pool)
-            return self.outputs.finished_without_token(request, request.finish_reason)
-        text, stop_hit = self.outputs.new_text(request)
-        if stop_hit:
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-        return self.outputs.token_output(request, text, result.logprobs.get(request.request_id))
-
-    def _fail_batch(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail_batch(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward pass or the sampler failed: every scheduled request fails with ERROR (the ones
+        that outgrew the pool still end with LENGTH)."""
         self._num_consecutive_failed_steps += 1
-        failed = [r for r, _ in scheduled.scheduled if not r.is_finished]
-        logger.error("step failed in the forward pass or sampler (%d in a row); failing requests %s",
-                     self._num_consecutive_failed_steps, [r.request_id for r in failed], exc_info=exc)
-        outputs = [self._fail(request) for request in failed]
-        for request in failed:
-            self._forget_sample(request)
+        failed = [r for r, _ in plan.scheduled if not r.is_finished]
+        logger.error("step failed in the forward pass or sampler (%d in a row); failing %s",
+                     self._num_consecutive_failed_steps, failed, exc_info=exc)
+        ends = [(r, FinishReason.ERROR) for r in failed] + [(r, FinishReason.LENGTH) for r in plan.outgrown]
+        outputs = []
+        for request, reason in ends:
+            self._release(request, reason)
+            outputs.append(self._output_of(request, None, None))
         if self._num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(f"{MAX_CONSECUTIVE_FAILED_STEPS} steps in a row failed in the batch stage") from exc
-        # every scheduled request is finished now, so this applies nothing and only hands back the
-        # requests that schedule() finished on its own (outgrown), whose final outputs are still due
-        return outputs + self._collect(self.scheduler.update_from_output(scheduled, {}), StepResult({}, {}))
+        return outputs
 
-    def _fail(self, request: Request) -> RequestOutput:
-        """Finish a request with ERROR (if still in flight) and free all it holds; its final output."""
-        self.scheduler.finish_request(request.request_id, FinishReason.ERROR)
-        self.runner.free(request.request_id)
-        self.num_failed_requests += 1
-        return self.outputs.finished_without_text(request, FinishReason.ERROR, GENERATION_FAILED)
-
-    def _forget_sample(self, request: Request) -> None:
-        user_id = request.request_id.rpartition("#")[0]
-        ids = self._samples.get(user_id)
-        if ids is not None and all(self.scheduler.get_request(i) is None for i in ids):
-            del self._samples[user_id]
-
-    # ---- observability ----------------------------------------------------------------------------
+    # observability
 
     def stats(self) -> EngineStats:
         prefix = self.block_manager.prefix_stats

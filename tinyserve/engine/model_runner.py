@@ -17,13 +17,14 @@ from tinyserve.engine.sampler import Sampler
 from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.layers.cpu_kernels import decode_kernel_applies
 from tinyserve.models.registry import device_and_dtype
-from tinyserve.types import Request, TokenLogprob
+from tinyserve.engine.request import Request
+from tinyserve.types import TokenLogprob
 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int]  # request_id -> next token, for requests whose chunk reached their last token
-    logprobs: dict[str, TokenLogprob]  # for sampled requests that asked for logprobs
+    sampled: dict[Request, int]  # the next token of each request whose chunk reached its last token
+    logprobs: dict[Request, TokenLogprob]  # for sampled requests that asked for logprobs
 
 
 @dataclass
@@ -56,22 +57,19 @@ class ModelRunner:
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]) -> StepResult:
-        """scheduled[i] = (request, new tokens this step), with block_tables[i] covering all its tokens."""
-        batch = self._prepare(scheduled, block_tables)
+    def execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
+        """scheduled[i] = (request, new tokens this step), its block table covering all its tokens."""
+        batch = self._prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
         if not batch.sampled_requests:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
-        out = self.sampler(logits, batch.sampled_requests)
-        ids = [r.request_id for r in batch.sampled_requests]
-        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(ids, out.next_token_ids)), logprobs)
+        requests = batch.sampled_requests
+        out = self.sampler(logits, requests)
+        logprobs = {r: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
+        return StepResult(dict(zip(requests, out.next_token_ids)), logprobs)
 
-    def free(self, request_id: str) -> None:
-        self.sampler.free(request_id)
-
-    def _prepare(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]) -> _Batch:
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Batch:
         order = sorted(range(len(scheduled)), key=lambda i: _batch_order(*scheduled[i]))
         input_ids: list[int] = []
         positions: list[int] = []
@@ -80,7 +78,7 @@ class ModelRunner:
         bs = self.block_size
         for i in order:
             request, num_new = scheduled[i]
-            table = block_tables[i]
+            table = request.block_table
             start = request.num_computed_tokens
             end = start + num_new
             input_ids.extend(request.all_token_ids[start:end])

@@ -23,19 +23,20 @@ STREAM_LOW_WATER = 4  # ... and resumed
 
 
 class RequestStream:
-    """The outputs of one submitted request, all n samples interleaved, as an async iterator that ends
-    when every sample has finished. `close()` (idempotent) aborts the request if it has not finished;
+    """The outputs of one submitted request, every sample of each of its prompts interleaved, as an async
+    iterator that ends when every sample has finished. `close()` (idempotent) aborts the request if it has not finished;
     every stream must be closed, or iterated to its end, so the engine forgets it.
 
     Lives on its event loop's thread: the engine thread hands it outputs through `call_soon_threadsafe`.
     Invariant: the consumer sees exactly one final output per sample, from the engine or from `cancel()`.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int):
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, num_prompts: int = 1):
         self._engine, self.request_id = engine, request_id
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._num_samples = self._remaining = num_samples
-        self._finals_queued: set[int] = set()  # sample indices whose final output is in the queue (or read)
+        self._samples = [(p, i) for p in range(num_prompts) for i in range(n)]  # (prompt_index, index)
+        self._num_samples = self._remaining = len(self._samples)
+        self._finals_queued: set[tuple[int, int]] = set()  # samples whose final output is queued (or read)
         self._is_paused = False
         self._is_reader_blocked = False
         self._is_cancelled = False
@@ -63,7 +64,7 @@ class RequestStream:
             return
         self._queue.put_nowait(item)
         if isinstance(item, RequestOutput) and item.finished:
-            self._finals_queued.add(item.index)
+            self._finals_queued.add((item.prompt_index, item.index))
         if not self._is_paused:
             self._update_pause()
 
@@ -89,10 +90,11 @@ class RequestStream:
         if self._is_cancelled:
             return
         self._engine._close_stream(self.request_id, finished=False)
-        for index in range(self._num_samples):
-            if index not in self._finals_queued:
-                self._queue.put_nowait(RequestOutput(self.request_id, index, "", [], reason))
-        self._finals_queued = set(range(self._num_samples))
+        for prompt_index, index in self._samples:
+            if (prompt_index, index) not in self._finals_queued:
+                self._queue.put_nowait(RequestOutput(self.request_id, index, "", [], reason,
+                                                     prompt_index=prompt_index))
+        self._finals_queued = set(self._samples)
         self._is_cancelled = True
 
     def close(self) -> None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve.types import Request, SamplingParams, TokenLogprob
+from tinyserve.engine.request import Request
+from tinyserve.types import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
 # odd 64-bit constant mixed into the seed of sample i > 0 of a seeded n > 1 request: siblings must differ
@@ -28,15 +29,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks one token per row. Owns one generator per seeded request (keyed by request_id, created on its
-    first draw on the logits' device, dropped by free() when the request finishes) and one shared generator
-    per device for unseeded rows. A seeded generator advances by one draw per sampled token; the engine
+    """Picks one token per row. A seeded request draws from its own generator (`Request.generator`, made on
+    its first draw on the logits' device, dropped with the request when it finishes); unseeded rows share
+    one generator per device. A seeded generator advances by one draw per sampled token; the engine
     never resamples a token (preemption recomputes KV only), so the stream stays in step."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
-        self._request_generators: dict[str, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (
@@ -44,14 +44,11 @@ class Sampler:
         )
         if all(_is_plain_greedy(r) for r in requests):
             # the fast path. The float32 cast is exact and pays for itself: argmax over bfloat16 rows
-            # is 3x slower than cast + argmax on CPU (5.8 vs 1.9 ms at 64 x 49152)
+            # is slower than cast + argmax on CPU (docs/PERFORMANCE.md, "Measured in passing")
             next_token_ids = logits.float().argmax(dim=-1)  # [batch]
         else:
             next_token_ids = self._sample(logits.float(), requests)
         return _to_output(logits, next_token_ids, requests)
-
-    def free(self, request_id: str) -> None:
-        self._request_generators.pop(request_id, None)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """[batch, vocab] float32 -> [batch] int64."""
@@ -86,13 +83,12 @@ class Sampler:
             self._shared_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._shared_generators[device]
 
-    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
-        generator = self._request_generators.get(request.request_id)
-        if generator is None:
+    @staticmethod
+    def _request_generator(request: Request, device: torch.device) -> torch.Generator:
+        if request.generator is None:
             seed = request.sampling_params.seed ^ (request.index * _SIBLING_SEED_MIX % 2**64)
-            generator = torch.Generator(device=device).manual_seed(seed)
-            self._request_generators[request.request_id] = generator
-        return generator
+            request.generator = torch.Generator(device=device).manual_seed(seed)
+        return request.generator
 
 
 def _never_a_cut_token(cdf: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

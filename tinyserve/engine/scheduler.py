@@ -23,7 +23,8 @@ import time
 
 from tinyserve.config import SchedulerConfig
 from tinyserve.engine.block_manager import BlockManager
-from tinyserve.types import FinishReason, Request, RequestStatus, SchedulerOutput
+from tinyserve.engine.request import Request, RequestStatus, SchedulerOutput
+from tinyserve.types import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -34,26 +35,26 @@ class WaitingQueue:
     """Waiting requests by OrderKey: a heap with lazy deletion, so push, remove and pop stay O(log n)
     however long the queue grows.
 
-    Invariant: an entry is live iff `_entries[request_id] is entry`. remove() only forgets the entry; the
+    Invariant: an entry is live iff `_entries[request] is entry`. remove() only forgets the entry; the
     stale copy is dropped when it reaches the top, or when stale copies outnumber live ones (a rebuild,
     amortized O(1) per removal).
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[OrderKey, Request]] = []  # the unique add order means Requests never compare
-        self._entries: dict[str, tuple[OrderKey, Request]] = {}
+        self._entries: dict[Request, tuple[OrderKey, Request]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def push(self, request: Request, key: OrderKey) -> None:
-        assert request.request_id not in self._entries, f"{request.request_id} queued twice"
+        assert request not in self._entries, f"{request} queued twice"
         entry = (key, request)
-        self._entries[request.request_id] = entry
+        self._entries[request] = entry
         heapq.heappush(self._heap, entry)
 
-    def remove(self, request_id: str) -> bool:
-        if self._entries.pop(request_id, None) is None:
+    def remove(self, request: Request) -> bool:
+        if self._entries.pop(request, None) is None:
             return False
         if len(self._heap) > 2 * len(self._entries) + 64:
             self._heap = list(self._entries.values())
@@ -62,7 +63,7 @@ class WaitingQueue:
 
     def peek(self) -> Request | None:
         """The first request in order, or None when empty."""
-        while self._heap and self._entries.get(self._heap[0][1].request_id) is not self._heap[0]:
+        while self._heap and self._entries.get(self._heap[0][1]) is not self._heap[0]:
             heapq.heappop(self._heap)
         return self._heap[0][1] if self._heap else None
 
@@ -70,7 +71,7 @@ class WaitingQueue:
         request = self.peek()
         assert request is not None, "pop from an empty waiting queue"
         heapq.heappop(self._heap)
-        del self._entries[request.request_id]
+        del self._entries[request]
         return request
 
     def ordered(self) -> list[Request]:
@@ -79,26 +80,24 @@ class WaitingQueue:
 
 
 class Scheduler:
-    """Owns every unfinished request and decides each step; the only caller of BlockManager.free.
+    """Decides each step over the unfinished requests it is given; the only caller of BlockManager.free.
 
-    Invariants: a request is in exactly one of `waiting` (holds no blocks) and `running` (holds blocks)
-    until it finishes, when its blocks are freed at once and it is forgotten; a request appears at most
-    once in a step. A waiting request is in `_queue` (by _order_key) unless it is paused, then in
-    `_paused_waiting`; a running request that is paused is preempted into `_paused_waiting`.
+    Invariants: a request is in exactly one of `running` (holds blocks), `_queue` (waiting, holds none)
+    and `_paused_waiting` (paused, holds none) from `add_request` until `remove`, which frees its blocks
+    and marks it finished; a request appears at most once in a step. A running request that is paused is
+    preempted into `_paused_waiting`. The scheduler never ends a request on its own: the stop conditions
+    it finds (`update`) and the requests that outgrew the pool (`SchedulerOutput.outgrown`) go back to
+    the engine, which finishes them (LLMEngine._finish).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager):
         self.config = scheduler_config
         self.block_manager = block_manager
-        self.requests: dict[str, Request] = {}  # unfinished requests, by id
         self.running: list[Request] = []  # in admission order, at most max_num_seqs
         self._queue = WaitingQueue()
-        self._paused_waiting: dict[str, Request] = {}  # paused and waiting: out of the queue
+        self._paused_waiting: set[Request] = set()  # paused and waiting: out of the queue
         self.num_preemptions = 0
-        self._arrival_seq: dict[str, int] = {}  # breaks arrival_time ties in add order
-        self._counter = itertools.count()
-        self._finished_ids: list[str] = []  # finished outside update_from_output, for the next output
-        self._outgrown: list[Request] = []  # finished in schedule(), returned by the next update_from_output
+        self._counter = itertools.count()  # add order: breaks arrival_time ties
 
     @property
     def num_running(self) -> int:
@@ -118,113 +117,103 @@ class Scheduler:
     @property
     def waiting(self) -> list[Request]:
         """Every waiting request (paused ones included) in admission order; O(n log n), for tests."""
-        return sorted([*self._queue.ordered(), *self._paused_waiting.values()], key=self._order_key)
+        return sorted([*self._queue.ordered(), *self._paused_waiting], key=self._order_key)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.running or len(self._queue) or self._paused_waiting)
 
     def has_schedulable_requests(self) -> bool:
         """Whether a step now could do anything: False when every unfinished request is paused, so the
         engine thread sleeps instead of spinning on empty steps until one is resumed or aborted."""
-        return bool(self.running or len(self._queue) or self._finished_ids or self._outgrown)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
+        return bool(self.running or len(self._queue))
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if its prompt alone needs more blocks than the whole pool."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        assert request.status is RequestStatus.WAITING and not request.block_table, f"{request} added twice"
         bm = self.block_manager
         if -(-request.num_tokens // bm.block_size) > bm.num_blocks:
             raise ValueError(f"prompt of {request.num_tokens} tokens exceeds the KV cache ({bm.num_blocks} blocks)")
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._arrival_seq[request.request_id] = next(self._counter)
+        request.add_order = next(self._counter)
         self._enqueue(request)
 
-    def set_paused(self, request_id: str, paused: bool) -> None:
+    def set_paused(self, request: Request, paused: bool) -> None:
         """A paused request is not scheduled until resumed: a running one is preempted (its reader has
         fallen behind, so its seat and blocks go to others; it recomputes when resumed), a waiting one
-        is set aside and not admitted. Call between steps. Unknown id: no-op."""
-        request = self.requests.get(request_id)
-        if request is None or paused == (request_id in self._paused_waiting):
+        is set aside and not admitted. Call between steps. A finished request: no-op."""
+        if request.is_finished or paused == self.is_paused(request):
             return
         if paused:
             if request.status is RequestStatus.RUNNING:
-                # back into the queue; an outgrown request (it cannot be: it holds its blocks) would
-                # finish instead and land in _finished_ids
-                self._preempt(request, SchedulerOutput(scheduled=[], finished_ids=self._finished_ids))
-            if self._queue.remove(request_id):
-                self._paused_waiting[request_id] = request
-        elif self._paused_waiting.pop(request_id, None) is not None:
+                outgrown = SchedulerOutput(scheduled=[])
+                self._preempt(request, outgrown)
+                assert not outgrown.outgrown, "a running request holds its blocks: it cannot outgrow the pool"
+            if self._queue.remove(request):
+                self._paused_waiting.add(request)
+        else:
+            self._paused_waiting.discard(request)
             self._enqueue(request)
 
-    def is_paused(self, request_id: str) -> bool:
-        return request_id in self._paused_waiting
+    def is_paused(self, request: Request) -> bool:
+        return request in self._paused_waiting
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a waiting or running request and free its blocks now. False if it is not in flight."""
-        return self.finish_request(request_id, FinishReason.ABORT)
-
-    def finish_request(self, request_id: str, reason: FinishReason) -> bool:
-        """Finish a request from outside the step (a stop string, an abort). False if not in flight."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, reason)
-        self._finished_ids.append(request_id)
-        return True
+    def remove(self, request: Request) -> None:
+        """Forget a request the engine finishes, wherever it is, and free its blocks now. Idempotent."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)  # O(max_num_seqs)
+        elif request in self._paused_waiting:
+            self._paused_waiting.discard(request)
+        else:
+            is_queued = self._queue.remove(request)
+            assert is_queued, f"waiting request {request} is in no queue"
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(scheduled=[], finished_ids=self._finished_ids)
-        self._finished_ids = []
+        output = SchedulerOutput(scheduled=[])
         self._schedule_running(output)
-        if not output.preempted_ids:  # memory just ran short: admitting now would only thrash
+        if not output.preempted:  # memory just ran short: admitting now would only thrash
             self._admit_waiting(output)
         assert output.num_batched_tokens == sum(n for _, n in output.scheduled) <= self.config.max_num_batched_tokens
         assert len(output.scheduled) <= self.config.max_num_seqs
-        assert len({r.request_id for r, _ in output.scheduled}) == len(output.scheduled), "double-scheduled"
+        assert len({id(r) for r, _ in output.scheduled}) == len(output.scheduled), "double-scheduled"
         return output
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply one executed step. `sampled` maps request id -> token for the requests whose chunk reached
-        their last known token. Returns the requests that got a token or finished, in step order.
+    def update(self, scheduler_output: SchedulerOutput,
+               sampled: dict[Request, int]) -> list[tuple[Request, FinishReason | None]]:
+        """Apply one executed step. `sampled` maps each request whose chunk reached its last known token
+        to its new token. Returns (request, stop condition or None) for each request that got a token,
+        in step order: EOS, a stop token id or a length limit; the engine finishes those.
 
-        A request whose update raises (other than a broken invariant) is finished with ERROR alone and
-        returned, its traceback logged; the caller gives it its final output."""
-        changed, self._outgrown = self._outgrown, []
+        A request whose update raises (other than a broken invariant) comes back with ERROR alone, its
+        traceback logged."""
+        updates = []
         now = time.monotonic()
         for request, num_new in scheduler_output.scheduled:
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:
                 continue
             try:
-                is_changed = self._apply(request, num_new, sampled, now)
+                if self._apply(request, num_new, sampled, now):
+                    updates.append((request, self._stop_reason(request)))
             except AssertionError:
                 raise
             except Exception:
-                logger.exception("request %s failed while its step was applied", request.request_id)
-                self._finish(request, FinishReason.ERROR)
-                is_changed = True
-            if is_changed:
-                changed.append(request)
-        return changed
+                logger.exception("%s failed while its step was applied", request)
+                updates.append((request, FinishReason.ERROR))
+        return updates
 
-    def _apply(self, request: Request, num_new: int, sampled: dict[str, int], now: float) -> bool:
-        """One request's part of update_from_output; True if it got a token."""
+    def _apply(self, request: Request, num_new: int, sampled: dict[Request, int], now: float) -> bool:
+        """One request's part of update; True if it got a token."""
         request.num_computed_tokens += num_new
         assert request.num_computed_tokens <= request.num_tokens
         is_sampled = request.num_computed_tokens == request.num_tokens
         if is_sampled:
-            assert request.request_id in sampled, f"no sampled token for {request.request_id}"
-            request.output_token_ids.append(sampled[request.request_id])
+            assert request in sampled, f"no sampled token for {request}"
+            request.output_token_ids.append(sampled[request])
             if request.first_token_time is None:
                 request.first_token_time = now
         self.block_manager.cache_full_blocks(request)
-        if is_sampled:
-            reason = self._stop_reason(request)
-            if reason is not None:
-                self._finish(request, reason)
         return is_sampled
 
     def _schedule_running(self, output: SchedulerOutput) -> None:
@@ -237,7 +226,7 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            assert num_new > 0, f"running {request} has nothing to compute"
             if not self._allocate_or_preempt(request, num_new, output):
                 break
             self._add_scheduled(output, request, num_new)
@@ -259,13 +248,12 @@ class Scheduler:
         bm = self.block_manager
         if -(-request.num_tokens // bm.block_size) > bm.num_blocks:
             # NOTE: it could never be re-admitted. This is also the only way a lone request can fail to
-            # allocate (everything else is free), so finishing it here ends what would be a livelock.
-            logger.warning("request %s outgrew the KV cache at %d tokens", request.request_id, request.num_tokens)
-            self._finish(request, FinishReason.LENGTH)
-            output.finished_ids.append(request.request_id)
-            self._outgrown.append(request)  # the engine gets it from the next update_from_output
+            # allocate (everything else is free), so ending it here ends what would be a livelock.
+            logger.warning("%s outgrew the KV cache at %d tokens", request, request.num_tokens)
+            self.remove(request)
+            output.outgrown.append(request)  # the engine finishes it with LENGTH in this step
             return
-        num_blocks = len(bm.block_table(request.request_id))
+        num_blocks = len(request.block_table)
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -273,8 +261,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
-        output.preempted_ids.append(request.request_id)
-        logger.debug("preempted %s (%d tokens, freed %d blocks)", request.request_id, request.num_tokens, num_blocks)
+        output.preempted.append(request)
+        logger.debug("preempted %s (%d tokens, freed %d blocks)", request, request.num_tokens, num_blocks)
 
     def _admit_waiting(self, output: SchedulerOutput) -> None:
         # n > 1 samples waiting for their parent's prompt are popped and pushed back: at most
@@ -298,8 +286,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             self._add_scheduled(output, request, num_new)
             logger.debug(
-                "admitted %s (%d tokens, %d cached, %d blocks, %d free)", request.request_id, request.num_tokens,
-                request.num_computed_tokens, len(self.block_manager.block_table(request.request_id)),
+                "admitted %s (%d tokens, %d cached, %d blocks, %d free)", request, request.num_tokens,
+                request.num_computed_tokens, len(request.block_table),
                 self.block_manager.num_free_blocks,
             )
         for request in gated:
@@ -335,8 +323,8 @@ class Scheduler:
         parent is running with its prompt computed; if the parent finished or was preempted before that,
         it prefills on its own.
         """
-        parent = self.requests.get(request.parent_id) if request.parent_id is not None else None
-        if parent is None:
+        parent = request.parent
+        if parent is None or parent.is_finished:
             return False, None
         if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens >= parent.num_prompt_tokens:
             return False, parent
@@ -358,30 +346,12 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)  # O(max_num_seqs)
-        elif self._paused_waiting.pop(request.request_id, None) is None:
-            is_queued = self._queue.remove(request.request_id)
-            assert is_queued, f"waiting request {request.request_id} is in no queue"
-        num_blocks = len(self.block_manager.block_table(request.request_id))
-        self.block_manager.free(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.finished_time = time.monotonic()
-        del self.requests[request.request_id]
-        del self._arrival_seq[request.request_id]
-        logger.debug(
-            "finished %s (%s, %d output tokens, freed %d blocks, %d free)", request.request_id, reason.value,
-            request.num_output_tokens, num_blocks, self.block_manager.num_free_blocks,
-        )
-
     def _enqueue(self, request: Request) -> None:
         self._queue.push(request, self._order_key(request))
 
     def _order_key(self, request: Request) -> OrderKey:
         """Lower runs first: priority, then arrival (FCFS). Preemption picks the max."""
-        return request.priority, request.arrival_time, self._arrival_seq[request.request_id]
+        return request.priority, request.arrival_time, request.add_order
 
     def _unschedule(self, request: Request, output: SchedulerOutput) -> None:
         """Take back a request scheduled earlier in this step, and its tokens from the budget."""

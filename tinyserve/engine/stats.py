@@ -1,4 +1,4 @@
-"""Plain statistics the engine produces; the server turns them into Prometheus metrics."""
+"""Plain statistics the engine produces, all of them here; the server turns them into Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -20,3 +20,28 @@ class EngineStats:
     num_steps: int
     num_failed_requests: int = 0  # finished with FinishReason.ERROR since start-up
     num_paused: int = 0  # set aside until their slow reader catches up; not in num_waiting
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted when a request first allocates (and again after each preemption); the engine reports them."""
+
+    num_query_blocks: int = 0  # full blocks looked up (a request's last token is never looked up)
+    num_hit_blocks: int = 0
+    num_query_tokens: int = 0  # all known tokens of the looked-up requests
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """Where the engine thread's time went since start-up (seconds), for starvation measurements: a step
+    loop starved by other threads shows up as a longer mean step at the same batch, or as overhead."""
+
+    num_steps: int
+    step_seconds: float  # inside LLMEngine.step()
+    overhead_seconds: float  # inbox, stats, delivery and listeners, while work was pending
+    max_gap_seconds: float  # longest time between the end of one step and the start of the next

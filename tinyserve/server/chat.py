@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -13,6 +14,7 @@ from tinyserve.server.intake import (check_model, encode_chat, parse_body, requi
                                      validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs
 from tinyserve.server.protocol import ChatCompletionRequest, limits_context
+from tinyserve.server.responses import ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse
 from tinyserve.types import RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -36,38 +38,37 @@ async def create_chat_completion(request: Request) -> Response:
     texts = state.token_texts if params.logprobs is not None else None
     state.admit(params.n)  # again, counting every sample, with no await before queueing (see completions)
     generation.start()
+    head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     if body.stream:
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": body.model or state.model_name}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        roles = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None,
+                                 finish_reason=None)
                  for i in range(len(generation.choices))]  # the role first, as OpenAI does
-        return EventStreamResponse(event_stream(generation, head, include_usage, _choice(texts), roles),
+        chunk = functools.partial(ChatChunk, **head)
+        return EventStreamResponse(event_stream(generation, chunk, include_usage, _choice(texts), roles),
                                    generation, write_timeout=state.config.stream_write_timeout)
-    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": body.model or state.model_name}
     await run_to_end(generation, request)
-    return JSONResponse(_response(generation, head, texts))
+    return JSONResponse(_response(generation, head, texts).dump())
 
 
 def _choice(texts: TokenTexts | None):
     """Streaming: one output -> one choice delta."""
-    def choice(index: int, out: RequestOutput) -> dict | None:
+    def choice(index: int, out: RequestOutput) -> ChatChunkChoice | None:
         if not out.new_text and not out.finished and not out.logprobs:
             return None  # the detokenizer is holding text back (partial character or stop-string prefix)
         logprobs = chat_logprobs(texts, out.logprobs) if texts is not None and out.logprobs else None
-        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        delta = ChatDelta(content=out.new_text) if out.new_text or not out.finished else ChatDelta()
         reason = out.finish_reason.value if out.finished else None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
     return choice
 
 
-def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> dict:
+def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> ChatResponse:
     choices = [
-        {"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
-         "logprobs": chat_logprobs(texts, c.logprobs) if texts is not None else None,
-         "finish_reason": c.finish_reason}
+        ChatChoice(index=index, message=ChatMessage(content="".join(c.text)),
+                   logprobs=chat_logprobs(texts, c.logprobs) if texts is not None else None,
+                   finish_reason=c.finish_reason)
         for index, c in enumerate(generation.choices)
     ]
-    return {**head, "choices": choices, "usage": generation.usage()}
+    return ChatResponse(**head, choices=choices, usage=generation.usage())

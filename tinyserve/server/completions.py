@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -13,6 +14,8 @@ from tinyserve.server.intake import (check_model, encode_prompt, parse_body, req
                                      validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, completion_logprobs
 from tinyserve.server.protocol import CompletionRequest, limits_context
+from tinyserve.server.responses import (CompletionChoice, CompletionChunk, CompletionResponse,
+                                        CompletionResponseChoice)
 from tinyserve.types import RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -33,39 +36,39 @@ async def create_completion(request: Request) -> Response:
     generation = Generation(engine, request_id, prompts, params, body.priority, arrival,
                             state.config.request_timeout, request.state.request_id, body.cache_salt)
     texts = state.token_texts if params.logprobs is not None else None
-    head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": body.model or state.model_name}
+    head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     # again, counting every sample, with no await before queueing: the awaits above let other requests in
     state.admit(len(prompts) * params.n)
     generation.start()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         choice = _choice(texts, [0] * len(generation.choices))
-        return EventStreamResponse(event_stream(generation, head, include_usage, choice), generation,
+        chunk = functools.partial(CompletionChunk, **head)
+        return EventStreamResponse(event_stream(generation, chunk, include_usage, choice), generation,
                                    write_timeout=state.config.stream_write_timeout)
     await run_to_end(generation, request)
-    return JSONResponse(_response(generation, head, texts))
+    return JSONResponse(_response(generation, head, texts).dump())
 
 
 def _choice(texts: TokenTexts | None, offsets: list[int]):
     """Streaming: one output -> one choice delta (offsets: each choice's text offset so far)."""
-    def choice(index: int, out: RequestOutput) -> dict | None:
+    def choice(index: int, out: RequestOutput) -> CompletionChoice | None:
         if not out.new_text and not out.finished and not out.logprobs:
             return None  # the detokenizer is holding text back (partial character or stop-string prefix)
         logprobs = None
         if texts is not None and out.logprobs:
             logprobs = completion_logprobs(texts, out.logprobs, offsets[index])
-            offsets[index] += sum(map(len, logprobs["tokens"]))
+            offsets[index] += sum(map(len, logprobs.tokens))
         reason = out.finish_reason.value if out.finished else None
-        return {"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason}
+        return CompletionChoice(index=index, text=out.new_text, logprobs=logprobs, finish_reason=reason)
 
     return choice
 
 
-def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> dict:
+def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> CompletionResponse:
     choices = [
-        {"index": index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-         "logprobs": completion_logprobs(texts, c.logprobs, 0) if texts is not None else None}
+        CompletionResponseChoice(index=index, text="".join(c.text), finish_reason=c.finish_reason,
+                                 logprobs=completion_logprobs(texts, c.logprobs, 0) if texts is not None else None)
         for index, c in enumerate(generation.choices)
     ]
-    return {**head, "choices": choices, "usage": generation.usage()}
+    return CompletionResponse(**head, choices=choices, usage=generation.usage())

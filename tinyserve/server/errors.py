@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinyserve.server.responses import ErrorBody, ErrorDetail
+
 class APIError(Exception):
     status = 500
     type = "server_error"
@@ -22,7 +24,8 @@ class APIError(Exception):
         self.message, self.param, self.code, self.headers = message, param, code, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorBody(error=detail).dump()
 
 
 class BadRequest(APIError):

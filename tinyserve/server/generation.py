@@ -1,11 +1,11 @@
 """One HTTP request's run through the engine, shared by completions and chat.
 
-A Generation owns one engine request per prompt and merges their outputs under OpenAI choice indices
-(prompt i, sample j -> i * n + j). Its deadline is counted from the request's arrival and kept here, on
-the event loop: when it passes, every stream ends at once with finish_reason "abort" (a 504 when not
-streaming), even if the engine thread is stuck in a step; the engine frees the blocks when it gets to
-the abort. A client that goes away closes the generation (streaming) or triggers `abort()`
-(non-streaming), which aborts the engine requests. A streaming client that reads nothing for
+A Generation owns one engine request (all its prompts) and its one stream, and numbers the outputs as
+OpenAI's choice indices (prompt i, sample j -> i * n + j). Its deadline is counted from the request's
+arrival and kept here, on the event loop: when it passes, every sample ends at once with finish_reason
+"abort" (a 504 when not streaming), even if the engine thread is stuck in a step; the engine frees the
+blocks when it gets to the abort. A client that goes away closes the generation (streaming) or
+triggers `abort()` (non-streaming), which aborts the engine request. A streaming client that reads nothing for
 `write_timeout` seconds is cut off the same way. When the run ends, one log line records it.
 """
 
@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
+from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
 from tinyserve.engine.request_stream import RequestStream
 from tinyserve.server.errors import APIError, ServiceUnavailable, Timeout
+from tinyserve.server.responses import ChatChunk, CompletionChunk, UsageInfo
 from tinyserve.types import RequestOutput, SamplingParams, TokenLogprob
 
 request_log = logging.getLogger("tinyserve.requests")
@@ -47,7 +49,7 @@ class Choice:
 
 
 class Generation:
-    """Invariant: after `start()`, every engine request is closed by `close()` (idempotent), which the
+    """Invariant: after `start()`, the engine request is closed by `close()` (idempotent), which the
     non-streaming path calls when it ends and the SSE response calls whatever happens to its body."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -59,7 +61,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.choices = [Choice() for _ in range(len(prompts) * params.n)]
         self.timed_out = False
-        self._streams: list[RequestStream] = []
+        self._stream: RequestStream | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._logged = False
         self._first_token_time: float | None = None
@@ -67,15 +69,8 @@ class Generation:
 
     def start(self) -> None:
         """Queue every prompt in the engine now: no await between the caller's admission check and this."""
-        many = len(self.prompts) > 1
-        ids = [f"{self.request_id}-{i}" if many else self.request_id for i in range(len(self.prompts))]
-        try:
-            for engine_id, prompt in zip(ids, self.prompts, strict=True):
-                self._streams.append(self.engine.submit(engine_id, prompt, self.params, self.priority,
-                                                        self.arrival_time, self.cache_salt))
-        except BaseException:
-            self.close()
-            raise
+        self._stream = self.engine.submit(self.request_id, self.prompts, self.params, self.priority,
+                                          self.arrival_time, self.cache_salt)
         if self.timeout is not None:
             self._timer = asyncio.get_running_loop().call_at(self.arrival_time + self.timeout, self._on_timeout)
 
@@ -87,16 +82,14 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
-    def usage(self) -> dict:
-        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
-        cached = sum(c.cached_tokens for c in self.choices[:: self.params.n])
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+    def usage(self) -> UsageInfo:
+        cached = sum(c.cached_tokens for c in self.choices[:: self.params.n])  # one sample per prompt
+        return UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens, cached)
 
     def abort(self) -> None:
         """Ask the engine to finish every sample now (finish_reason abort); the outputs still arrive."""
-        for stream in self._streams:
-            self.engine.abort(stream.request_id)
+        if self._stream is not None:
+            self.engine.abort(self.request_id)
 
     def engine_error(self, exc: EngineDeadError | None = None) -> APIError:
         """What the client is told when the engine failed this request (500) or cannot serve (503)."""
@@ -106,63 +99,33 @@ class Generation:
 
     def set_writer_blocked(self, blocked: bool) -> None:
         """The response's writes wait on a full socket (True) or flow again (False): pause or resume."""
-        for stream in self._streams:
-            stream.set_reader_blocked(blocked)
+        if self._stream is not None:
+            self._stream.set_reader_blocked(blocked)
 
     def _on_timeout(self) -> None:
         self.timed_out = True
-        for stream in self._streams:
-            stream.cancel()
+        if self._stream is not None:
+            self._stream.cancel()
 
     def close(self) -> None:
         """Stop listening: unfinished engine requests are aborted and their blocks freed."""
         if self._timer is not None:
             self._timer.cancel()
-        for stream in self._streams:
-            stream.close()
-        if self._streams and not self._logged:
+        if self._stream is not None:
+            self._stream.close()
+        if self._stream is not None and not self._logged:
             self._logged = True
             self._log()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) until every choice has finished; updates `choices` on the way."""
         try:
-            async for i, out in self._merged():
-                index = i * self.params.n + out.index
+            async for out in self._stream:
+                index = out.prompt_index * self.params.n + out.index
                 self._record(self.choices[index], out)
                 yield index, out
         finally:
             self.close()
-
-    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self._streams) == 1:  # the common case: no tasks, no extra queue
-            async for out in self._streams[0]:
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for out in self._streams[i]:
-                    queue.put_nowait((i, out))
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer below
-                queue.put_nowait((i, exc))
-            queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self._streams))]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for task in tasks:
-                task.cancel()
 
     def _record(self, choice: Choice, out: RequestOutput) -> None:
         if out.new_text:
@@ -220,24 +183,29 @@ async def run_to_end(generation: Generation, request: Request) -> None:
         raise generation.engine_error()
 
 
-async def event_stream(generation: Generation, head: dict, include_usage: bool,
-                       choice: Callable[[int, RequestOutput], dict | None],
-                       prelude: Iterable[dict] = ()) -> AsyncIterator[bytes]:
-    """SSE chunks: `prelude` choices, then `choice(index, output)` for each output (None: nothing to
-    send), the usage chunk if asked, and `[DONE]`. An error after the stream started becomes an
-    `error` event before `[DONE]`."""
-    extra = {"usage": None} if include_usage else {}
+async def event_stream(generation: Generation, chunk: Callable[..., CompletionChunk | ChatChunk],
+                       include_usage: bool, choice: Callable[[int, RequestOutput], BaseModel | None],
+                       prelude: Iterable[BaseModel] = ()) -> AsyncIterator[bytes]:
+    """SSE chunks: `chunk(choices=..., usage=...)` around `prelude` choices, then `choice(index, output)`
+    for each output (None: nothing to send), the usage chunk if asked, and `[DONE]`. An error after the
+    stream started becomes an `error` event before `[DONE]`."""
+    def event(choices: list, usage: UsageInfo | None = None) -> bytes:
+        body = chunk(choices=choices, usage=usage).dump()
+        if not include_usage:
+            del body["usage"]
+        return sse(body)
+
     try:
         for item in prelude:
-            yield sse({**head, "choices": [item], **extra})
+            yield event([item])
         async for index, out in generation.outputs():
             item = choice(index, out)
             if item is not None:
-                yield sse({**head, "choices": [item], **extra})
+                yield event([item])
             if out.error:
                 yield sse(generation.engine_error().body())
         if include_usage:
-            yield sse({**head, "choices": [], "usage": generation.usage()})
+            yield event([], generation.usage())
     except EngineDeadError as exc:
         yield sse(generation.engine_error(exc).body())
     except Exception:  # noqa: BLE001 - a bug mid-stream: the client still gets an error event and [DONE]

@@ -20,7 +20,7 @@ from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.server.errors import BadRequest, NotFound, Unauthorized, bad_request_from_validation
 from tinyserve.server.protocol import entry_caps
 from tinyserve.server.state import ServerState
-from tinyserve.types import SamplingParams
+from tinyserve.types import InvalidRequest, SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
 # prompts longer than this (characters) are tokenized in a worker thread, off the event loop
@@ -58,8 +58,8 @@ async def parse_body(request: Request, model: type[M], context: dict[str, Any] |
             return model.model_validate_json(body, context=context)
         refuse_long_lists(body, entry_caps(model, context))
         try:
-            # cache keys only: caching every value made a body of 300,000 distinct stop strings parse 2.4x
-            # slower (69 vs 28 ms median); no cache made 100,000 messages' repeated keys 1.4x slower
+            # cache keys only: caching every value slowed a body of many distinct strings, no cache one of
+            # many repeated keys (docs/PERFORMANCE.md, "Measured in passing")
             data = pydantic_core.from_json(body, cache_strings="keys")
         except ValueError as exc:
             raise BadRequest(f"malformed JSON body: {exc}", code="invalid_json") from None
@@ -120,18 +120,11 @@ async def encode_chat(state: ServerState, engine: AsyncEngine, messages: list[di
 
 def validate_prompt(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, param: str,
                     max_tokens_param: str = "max_tokens") -> None:
-    """The engine's checks (context length with both numbers, token id ranges) as a 400 naming the field:
-    the one its message starts with when that is a sampling field (stop_token_ids, logit_bias), else `param`."""
+    """The engine's checks (context length with both numbers, token id ranges), the one time they run for
+    a request, as a 400 naming the field: `param` (prompt or messages) for the prompt's own faults, the
+    client's spelling of max_tokens, else the sampling field the rule names."""
     try:
-        engine.engine.validate(prompt_ids, params)
-    except ValueError as exc:
-        message = str(exc)
-        first_word = message.split(" ", 1)[0]
-        if "max_tokens" in message:
-            named = max_tokens_param
-        elif first_word in SamplingParams.__dataclass_fields__:
-            named = first_word
-        else:
-            named = param
-        raise BadRequest(message, param=named, code="context_length_exceeded" if "context" in message else
-                         "invalid_value") from None
+        engine.validate(prompt_ids, params)
+    except InvalidRequest as exc:
+        named = {"prompt": param, "max_tokens": max_tokens_param}.get(exc.param, exc.param)
+        raise BadRequest(exc.message, param=named, code=exc.code) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tinyserve.loader.tokenizer import Tokenizer
+from tinyserve.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from tinyserve.types import TokenLogprob
 
 
@@ -33,7 +34,7 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)  # JSON has no -inf
 
 
-def completion_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], text_offset: int) -> dict:
+def completion_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
     """{tokens, token_logprobs, top_logprobs, text_offset}; offsets continue from `text_offset`."""
     tokens, offsets = [], []
     for lp in logprobs:
@@ -41,18 +42,19 @@ def completion_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], text_of
         token = texts.text(lp.token_id)
         tokens.append(token)
         text_offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-        "top_logprobs": [{texts.text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[_finite(lp.logprob) for lp in logprobs],
+        top_logprobs=[{texts.text(t): _finite(v) for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
+    )
 
 
-def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> dict:
+def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> ChatLogprobs:
     """{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}"""
     def entry(token_id: int, logprob: float) -> dict:
         return {"token": texts.text(token_id), "logprob": _finite(logprob), "bytes": texts.bytes(token_id)}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in logprobs]}
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
+        for lp in logprobs])

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tinyserve.engine.async_engine import LoopStats
+from tinyserve.engine.stats import LoopStats
 from tinyserve.engine.stats import EngineStats
 from tinyserve.types import RequestOutput
 
@@ -100,13 +100,14 @@ class ServerMetrics:
                                  "Requests refused by admission (503, or 400 too_many_samples).",
                                  label + ["reason"], registry=reg)
         self.model_name = model_name
-        self._last_token_time: dict[tuple[str, int], float] = {}  # engine thread only
+        # (request id, prompt index, sample index) -> when its last token came; engine thread only
+        self._last_token_time: dict[tuple[str, int, int], float] = {}
 
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         """Engine thread, once per step: inter-token latencies, token counts, finished samples."""
         num_new = 0
         for out in outputs:
-            key = (out.request_id, out.index)
+            key = (out.request_id, out.prompt_index, out.index)
             if out.new_token_ids:
                 num_new += len(out.new_token_ids)
                 last = self._last_token_time.get(key)
@@ -133,7 +134,6 @@ class ServerMetrics:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
-        # NOTE: a sample ended by a stop string has no finished_time yet when its output is built
         self.e2e.observe((m.finished_time or now) - m.arrival_time)
 
     def rejected(self, reason: str) -> None:

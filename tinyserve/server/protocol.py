@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from tinyserve.config import ServerConfig
 from tinyserve.server.errors import BadRequest
-from tinyserve.types import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from tinyserve.types import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams
 
 MAX_PRIORITY = 1000  # client priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]; the server's own probes run below
 MAX_CACHE_SALT_CHARS = 256
@@ -128,16 +128,10 @@ class _SamplingFields(_Strict):
         )
         try:
             return SamplingParams(max_tokens=max_tokens, **fields)
-        except ValueError as exc:
-            param = _param_of(str(exc))
-            raise BadRequest(str(exc).replace(param, renames.get(param, param), 1) if param else str(exc),
-                             param=renames.get(param, param), code="invalid_value") from None
-
-
-def _param_of(message: str) -> str | None:
-    """SamplingParams errors start with the field's name ("temperature must be ...", "stop strings ...")."""
-    word = message.split(" ", 1)[0]
-    return word if word in SamplingParams.__dataclass_fields__ else None
+        except InvalidRequest as exc:  # its message starts with the field's name: the client's spelling
+            param = renames.get(exc.param, exc.param)
+            message = exc.message.replace(exc.param, param, 1) if exc.param else exc.message
+            raise BadRequest(message, param=param, code=exc.code) from None
 
 
 class CompletionRequest(_SamplingFields):

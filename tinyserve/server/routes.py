@@ -16,6 +16,8 @@ from tinyserve.server.intake import (check_model, encode, encode_chat, parse_bod
                                      server_state)
 from tinyserve.server.metrics import CONTENT_TYPE
 from tinyserve.server.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
+from tinyserve.server.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse,
+                                        VersionResponse)
 from tinyserve.server.state import ServerState
 from tinyserve.types import SamplingParams
 
@@ -26,23 +28,22 @@ DEEP_HEALTH_REUSE_S = 2.0  # a deep probe's result answers every probe for this 
 _THREAD_DETOKENIZE_TOKENS = 8192  # longer /detokenize requests are checked and decoded off the event loop
 
 
-def _model_card(state, name: str) -> dict:
+def _model_card(state, name: str) -> ModelCard:
     # root is the served name, never the --model string: that may be a path on the server's disk
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "tinyserve",
-            "root": state.model_name, "max_model_len": state.max_model_len or None}
+    return ModelCard(id=name, created=state.created, root=state.model_name, max_model_len=state.max_model_len or None)
 
 
 @api.get("/v1/models")
 async def list_models(request: Request) -> dict:
     state = server_state(request)
-    return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
+    return ModelList(data=[_model_card(state, name) for name in state.served_model_names]).dump()
 
 
 @api.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request) -> dict:
     state = server_state(request)
     check_model(state, name)
-    return _model_card(state, name)
+    return _model_card(state, name).dump()
 
 
 @api.post("/tokenize")
@@ -58,7 +59,7 @@ async def tokenize(request: Request) -> dict:
         ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
     else:
         ids = await encode(engine, body.prompt, body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len).dump()
 
 
 @api.post("/detokenize")
@@ -77,8 +78,8 @@ async def detokenize(request: Request) -> dict:
         return engine.tokenizer.decode(tokens)
 
     if len(body.tokens) > _THREAD_DETOKENIZE_TOKENS:
-        return {"prompt": await asyncio.to_thread(check_and_decode, body.tokens)}
-    return {"prompt": check_and_decode(body.tokens)}
+        return DetokenizeResponse(prompt=await asyncio.to_thread(check_and_decode, body.tokens)).dump()
+    return DetokenizeResponse(prompt=check_and_decode(body.tokens)).dump()
 
 
 @public.get("/health")
@@ -91,7 +92,7 @@ async def health(request: Request, deep: bool = False) -> Response:
             probe = request.app.state.deep_health_probe = DeepHealthProbe()
         ok, status = await probe.check(state)
     headers = None if ok else {"Retry-After": "5"}
-    return JSONResponse({"status": status}, status_code=200 if ok else 503, headers=headers)
+    return JSONResponse(HealthResponse(status=status).dump(), status_code=200 if ok else 503, headers=headers)
 
 
 class DeepHealthProbe:
@@ -143,4 +144,4 @@ async def metrics(request: Request) -> Response:
 
 @public.get("/version")
 async def version() -> dict:
-    return {"version": tinyserve.__version__}
+    return VersionResponse(version=tinyserve.__version__).dump()

@@ -52,7 +52,7 @@ class ServerState:
         self._is_hurried = False  # a second signal: abort in-flight requests now instead of waiting
         self._is_closed = False
 
-    # ---- loading -----------------------------------------------------------------------------------
+    # loading
 
     def start_loading(self) -> None:
         self._load_task = asyncio.create_task(self._load())
@@ -99,7 +99,7 @@ class ServerState:
         if self._load_task is not None:
             await asyncio.shield(self._load_task)
 
-    # ---- admission ---------------------------------------------------------------------------------
+    # admission
 
     def check_ready(self) -> AsyncEngine:
         """The engine if new work may start; else ServiceUnavailable with the reason."""
@@ -144,7 +144,7 @@ class ServerState:
             return False, "engine_stalled"
         return True, "ok"
 
-    # ---- shutdown ----------------------------------------------------------------------------------
+    # shutdown
 
     async def drain(self) -> None:
         """Refuse new work; wait for in-flight requests up to shutdown_timeout (or until `hurry()`);
