@@ -9,27 +9,34 @@ import os
 import sys
 from pathlib import Path
 
-from tinyserve.config import DEFAULT_MODEL, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, DatasetConfig, OfflineBenchConfig,
+                                    ServeBenchConfig, SweepConfig)
+from tinyserve.config import (DEFAULT_MODEL, DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig,
+                              ServerConfig)
+
+# Every default below is read from the config dataclasses (tinyserve/config.py, tinyserve/bench/config.py),
+# so that the command line, tinyserve.LLM and the configs cannot drift apart.
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
+    g.add_argument("--model", default=EngineConfig.model,
                    help=f"alias ({DEFAULT_MODEL}), path to a .gguf file, or a Hugging Face checkpoint folder")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+    g.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
+    g.add_argument("--device", default=EngineConfig.device, help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
                    help="weight-only quantization on CPU (bfloat16 activations): faster single-stream decode, "
                         "slower at large batches; see README 'Speed modes'")
-    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+    g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory_gib, metavar="GIB",
                    help="KV cache budget in GiB (default: 1 GiB on CPU, half the free memory on CUDA)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=SchedulerConfig.max_model_len)
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--seed", type=int, default=EngineConfig.seed)
+    g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -100,40 +107,48 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", choices=["random", "prefix-repetition", "sharegpt"])
-    g.add_argument("--dataset-path", default=None, help="sharegpt: a JSON list of conversations")
-    g.add_argument("--num-prompts", type=int, default=200)
-    g.add_argument("--input-len", type=int, default=256,
+    g.add_argument("--dataset", default=DatasetConfig.name, choices=DATASET_NAMES)
+    g.add_argument("--dataset-path", default=DatasetConfig.path, help="sharegpt: a JSON list of conversations")
+    g.add_argument("--num-prompts", type=int, default=DatasetConfig.num_prompts)
+    g.add_argument("--input-len", type=int, default=DatasetConfig.input_len,
                    help="tokens of the random part (random) or of each suffix (prefix-repetition)")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="max_tokens per request (default 128; sharegpt: the recorded reply's length)")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary in [len*(1-r), len*(1+r)]")
-    g.add_argument("--prefix-len", type=int, default=0, help="tokens of the shared prefix (of each prefix)")
-    g.add_argument("--num-prefixes", type=int, default=8, help="prefix-repetition: distinct prefixes")
+    g.add_argument("--output-len", type=int, default=DatasetConfig.output_len,
+                   help=f"max_tokens per request (default {DEFAULT_OUTPUT_LEN}; sharegpt: the recorded reply's "
+                        "length)")
+    g.add_argument("--range-ratio", type=float, default=DatasetConfig.range_ratio,
+                   help="lengths vary in [len*(1-r), len*(1+r)]")
+    g.add_argument("--prefix-len", type=int, default=DatasetConfig.prefix_len,
+                   help="tokens of the shared prefix (of each prefix)")
+    g.add_argument("--num-prefixes", type=int, default=DatasetConfig.num_prefixes,
+                   help="prefix-repetition: distinct prefixes")
     g.add_argument("--tokenizer", default=None,
                    help="counts prompt tokens: alias, .gguf or HF folder (default: --model if local, else "
                         f"{DEFAULT_MODEL})")
-    g.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
+    g.add_argument("--seed", type=int, default=DatasetConfig.seed, help="dataset and arrival times")
     c = parser.add_argument_group("client")
-    c.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
-    c.add_argument("--model", default=None, help="model name sent (default: the first of GET /v1/models)")
-    c.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default inf)")
-    c.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
-    c.add_argument("--num-warmups", type=int, default=1, help="requests sent first and not measured")
+    c.add_argument("--endpoint", default=ServeBenchConfig.endpoint, help="/v1/completions or /v1/chat/completions")
+    c.add_argument("--model", default=ServeBenchConfig.model,
+                   help="model name sent (default: the first of GET /v1/models)")
+    c.add_argument("--request-rate", type=float, default=ServeBenchConfig.request_rate,
+                   help=f"requests/s, Poisson (default {ServeBenchConfig.request_rate:g})")
+    c.add_argument("--burstiness", type=float, default=ServeBenchConfig.burstiness,
+                   help="gamma shape of arrivals; 1 is Poisson")
+    c.add_argument("--num-warmups", type=int, default=ServeBenchConfig.num_warmups,
+                   help="requests sent first and not measured")
     c.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request")
-    c.add_argument("--timeout", type=float, default=600.0, help="seconds per request read")
+    c.add_argument("--temperature", type=float, default=ServeBenchConfig.temperature)
+    c.add_argument("--extra-body", type=json.loads, default=ServeBenchConfig.extra_body,
+                   help="JSON merged into every request")
+    c.add_argument("--timeout", type=float, default=ServeBenchConfig.timeout_s, help="seconds per request read")
     c.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--result-file", type=Path, default=None, help="JSON result (default: bench-results/)")
     c.add_argument("--plot", nargs="?", const="auto", default=None, metavar="PNG",
                    help="write a PNG (default: next to the result file); needs matplotlib")
-    c.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    c.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
 
 
-def _serve_bench_config(args: argparse.Namespace, base_url: str):
-    from tinyserve.bench.config import DatasetConfig, ServeBenchConfig
+def _serve_bench_config(args: argparse.Namespace, base_url: str) -> ServeBenchConfig:
     from tinyserve.bench.datasets import tokenizer_for
 
     dataset = DatasetConfig(
@@ -165,9 +180,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
     from tinyserve.bench.commands import bench_sweep
-    from tinyserve.bench.config import SweepConfig
 
-    urls = args.base_url or ["http://127.0.0.1:8000"]
+    urls = args.base_url or [ServeBenchConfig.base_url]
     targets = tuple((u.partition("=")[0], u.partition("=")[2]) if "=" in u else (u, u) for u in urls)
     config = SweepConfig(_serve_bench_config(args, targets[0][1]), targets, tuple(args.concurrency), args.num_runs)
     return bench_sweep(config, args.result_file, args.plot)
@@ -175,7 +189,6 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from tinyserve.bench.commands import bench_offline
-    from tinyserve.bench.config import OfflineBenchConfig
 
     config = OfflineBenchConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
@@ -191,24 +204,27 @@ def _add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark a server (serve, sweep) or the engine alone (offline)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     serve = kinds.add_parser("serve", help="load-test any OpenAI-compatible server with streamed requests")
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
-    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--base-url", default=ServeBenchConfig.base_url)
+    serve.add_argument("--max-concurrency", type=int, default=ServeBenchConfig.max_concurrency)
     _bench_workload_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
     sweep = kinds.add_parser("sweep", help="one workload at several concurrencies: throughput vs latency")
     sweep.add_argument("--base-url", action="append", metavar="[LABEL=]URL",
-                       help="a server to compare (repeat for several; default http://127.0.0.1:8000)")
-    sweep.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    sweep.add_argument("--num-runs", type=int, default=1, help="repeats; tables show median [min-max]")
+                       help=f"a server to compare (repeat for several; default {ServeBenchConfig.base_url})")
+    sweep.add_argument("--concurrency", type=int, nargs="+", default=list(SweepConfig.concurrencies))
+    sweep.add_argument("--num-runs", type=int, default=SweepConfig.num_runs,
+                       help="repeats; tables show median [min-max]")
     _bench_workload_args(sweep)
     sweep.set_defaults(func=cmd_bench_sweep)
     offline = kinds.add_parser("offline", help="the engine alone: random prompts, ignore_eos, all at once")
     add_engine_args(offline)
-    offline.add_argument("--num-prompts", type=int, default=256)
-    offline.add_argument("--input-len-range", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
-    offline.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    offline.add_argument("--num-prompts", type=int, default=OfflineBenchConfig.num_prompts)
+    offline.add_argument("--input-len-range", type=int, nargs=2, default=list(OfflineBenchConfig.input_len_range),
+                         metavar=("MIN", "MAX"))
+    offline.add_argument("--output-len-range", type=int, nargs=2,
+                         default=list(OfflineBenchConfig.output_len_range), metavar=("MIN", "MAX"))
     offline.add_argument("--result-file", type=Path, default=None)
-    offline.set_defaults(func=cmd_bench_offline, dtype="bfloat16")
+    offline.set_defaults(func=cmd_bench_offline, dtype=OfflineBenchConfig.dtype)
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -232,9 +248,7 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return key
 
 
-def server_config_from_args(args: argparse.Namespace):
-    from tinyserve.config import ServerConfig
-
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
         api_key=api_key_from(args), max_queue=args.max_queue,
@@ -260,8 +274,8 @@ def _add_serve_parser(sub) -> None:
                            "is still loading), 1 if the model or a setting is bad, 3 if the port cannot be "
                            "bound, 128+N when a second signal N cut the drain short.")
     g = serve.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=ServerConfig.host, help="bind address (default: loopback only)")
+    g.add_argument("--port", type=int, default=ServerConfig.port)
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model); the first is reported")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -270,36 +284,40 @@ def _add_serve_parser(sub) -> None:
     # the old flag put the key in `ps`; kept hidden only to refuse it clearly (and so that argparse does not
     # take it as an abbreviation of --api-key-file)
     g.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
-    g.add_argument("--max-queue", type=lambda s: None if s.lower() == "none" else int(s), default=256,
-                   metavar="N", help="waiting sequences beyond which new requests get 503 ('none': no limit); "
-                                     "a request of more samples (prompts x n) than this gets 400")
-    g.add_argument("--request-timeout", type=float, default=None, metavar="S",
+    g.add_argument("--max-queue", type=lambda s: None if s.lower() == "none" else int(s),
+                   default=ServerConfig.max_queue, metavar="N",
+                   help="waiting sequences beyond which new requests get 503 ('none': no limit); "
+                        "a request of more samples (prompts x n) than this gets 400")
+    g.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout, metavar="S",
                    help="abort a request this many seconds after its arrival (default: never)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+    g.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout, metavar="S",
                    help="on SIGTERM/SIGINT, in-flight requests get this long to finish before being aborted; "
                         "a second signal aborts them at once")
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies get 413")
     g.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="enable CORS for these origins ('*' for any); off by default")
-    g.add_argument("--stall-timeout", type=float, default=60.0, metavar="S",
+    g.add_argument("--stall-timeout", type=float, default=ServerConfig.stall_timeout, metavar="S",
                    help="/health is 503 when work is pending and no step has finished for this long")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
     limits = serve.add_argument_group("request and connection limits")
-    limits.add_argument("--max-prompts-per-request", type=int, default=64, metavar="N",
+    limits.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts_per_request,
+                        metavar="N",
                         help="prompts in one completion request; more get 400")
-    limits.add_argument("--max-messages", type=int, default=1024, metavar="N",
+    limits.add_argument("--max-messages", type=int, default=ServerConfig.max_messages, metavar="N",
                         help="messages in one chat request; more get 400")
     limits.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="render special-token text in chat messages (e.g. '<|im_start|>') as control "
                              "tokens instead of plain text: trusted clients only, it lets a message forge turns")
-    limits.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="S",
+    limits.add_argument("--stream-write-timeout", type=float, default=ServerConfig.stream_write_timeout,
+                        metavar="S",
                         help="a stream whose client reads nothing for this long is aborted")
-    limits.add_argument("--body-read-timeout", type=float, default=30.0, metavar="S",
+    limits.add_argument("--body-read-timeout", type=float, default=ServerConfig.body_read_timeout, metavar="S",
                         help="a request's headers, and then its body, must arrive within this long (else the "
                              "connection is closed; a late body gets 408)")
-    limits.add_argument("--max-connections", type=int, default=2048, metavar="N",
+    limits.add_argument("--max-connections", type=int, default=ServerConfig.max_connections, metavar="N",
                         help="concurrent connections; requests beyond it get 503")
-    limits.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+    limits.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout, metavar="S",
                         help="close a connection that has sent nothing for this long between requests")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve, log_level="info")

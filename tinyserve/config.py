@@ -4,11 +4,15 @@ that return new objects (dataclasses.replace); nothing mutates a config after it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
+# The defaults of every setting live in the dataclasses below (and these constants): cli.py's arguments,
+# tinyserve.LLM's keywords and the benchmark configs read them from here rather than repeat them.
 DEFAULT_MODEL = "smollm2-135m"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-QUANTIZATIONS = ("int8", "int4")  # weight-only formats (layers/quant.py)
+DTYPES: tuple[str, ...] = get_args(DType)  # the choices of --dtype and of EngineConfig.dtype
+Quantization = Literal["int8", "int4"]  # weight-only formats (layers/quant.py)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass(frozen=True)
@@ -170,14 +174,14 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # alias, path to a .gguf file, or a Hugging Face checkpoint folder
     dtype: DType = "auto"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    quantization: str | None = None  # weight-only "int8" / "int4" (CPU, bfloat16); see layers/quant.py
+    quantization: Quantization | None = None  # weight-only "int8" / "int4" (CPU, bfloat16); see layers/quant.py
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
                              f"got {self.quantization!r}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinyserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.config import CacheConfig, DType, EngineConfig, Quantization, SchedulerConfig
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
@@ -51,11 +51,16 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", *,
-                 quantization: str | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 kv_cache_memory: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int = 0):
+    # The keywords flatten EngineConfig and its cache and scheduler configs, whose defaults they read.
+    def __init__(self, model: str = EngineConfig.model, dtype: DType = EngineConfig.dtype,
+                 device: str = EngineConfig.device, *,
+                 quantization: Quantization | None = EngineConfig.quantization,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 max_model_len: int | None = SchedulerConfig.max_model_len,
+                 kv_cache_memory: float | None = CacheConfig.kv_cache_memory_gib,
+                 num_kv_blocks: int | None = CacheConfig.num_blocks, block_size: int = CacheConfig.block_size,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, seed: int = EngineConfig.seed):
         config = EngineConfig(
             model=model, dtype=dtype, device=device, quantization=quantization, seed=seed,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,

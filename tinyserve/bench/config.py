@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-from tinyserve.config import DEFAULT_MODEL
+from tinyserve.config import DEFAULT_MODEL, CacheConfig, DType, EngineConfig, Quantization, SchedulerConfig
 
 DatasetName = Literal["random", "prefix-repetition", "sharegpt"]
+DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
 SLO_KEYS = ("ttft", "tpot", "e2el")  # goodput service-level objectives, in milliseconds
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
+DEFAULT_OUTPUT_LEN = 128  # max_tokens of synthetic requests when DatasetConfig.output_len is unset
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -36,7 +38,7 @@ class DatasetConfig:
     num_prompts: int = 200
     seed: int = 0
     input_len: int = 256  # random part (random) or suffix (prefix-repetition), in tokens
-    output_len: int | None = None  # None: 128 for synthetic datasets, the reply's length for sharegpt
+    output_len: int | None = None  # None: DEFAULT_OUTPUT_LEN for synthetic datasets, the reply's for sharegpt
     range_ratio: float = 0.0  # lengths drawn uniformly in [len * (1 - r), len * (1 + r)]
     prefix_len: int = 0  # shared prefix, in tokens
     num_prefixes: int = 8  # prefix-repetition only
@@ -45,7 +47,7 @@ class DatasetConfig:
     tokenizer: str = DEFAULT_MODEL  # alias, .gguf file or Hugging Face folder used to count tokens
 
     def __post_init__(self) -> None:
-        if self.name not in ("random", "prefix-repetition", "sharegpt"):
+        if self.name not in DATASET_NAMES:
             raise ValueError(f"dataset must be random, prefix-repetition or sharegpt, got {self.name!r}")
         _positive("num_prompts", self.num_prompts)
         _positive("input_len", self.input_len, allow_zero=self.name == "random" and self.prefix_len > 0)
@@ -131,21 +133,22 @@ class SweepConfig:
 class OfflineBenchConfig:
     """The engine alone through the offline LLM API: random token-id prompts, ignore_eos, greedy.
 
-    Defaults are the recipe of the engine issue: 256 prompts of 64-512 tokens, 32-256 output tokens.
+    Defaults are the recipe of the engine issue: 256 prompts of 64-512 tokens, 32-256 output tokens, in
+    bfloat16; the engine's other settings default as in tinyserve/config.py.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"
-    quantization: str | None = None
-    device: str = "auto"
+    model: str = EngineConfig.model
+    dtype: DType = "bfloat16"
+    quantization: Quantization | None = EngineConfig.quantization
+    device: str = EngineConfig.device
     num_prompts: int = 256
     input_len_range: tuple[int, int] = (64, 512)  # inclusive
     output_len_range: tuple[int, int] = (32, 256)  # inclusive
-    seed: int = 0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    kv_cache_memory_gib: float | None = None
-    enable_prefix_caching: bool = True
+    seed: int = EngineConfig.seed  # the workload's and the engine's
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    kv_cache_memory_gib: float | None = CacheConfig.kv_cache_memory_gib
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     num_warmup_tokens: int = 8  # one short generate before the clock starts (0: none)
 
     def __post_init__(self) -> None:

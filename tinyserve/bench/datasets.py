@@ -20,11 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from tinyserve.bench import BenchError
-from tinyserve.bench.config import DatasetConfig
+from tinyserve.bench.config import DEFAULT_OUTPUT_LEN, DatasetConfig
 from tinyserve.config import DEFAULT_MODEL
 from tinyserve.loader.tokenizer import Tokenizer
 
-DEFAULT_OUTPUT_LEN = 128
 MIN_WORD_POOL = 256  # fewer round-tripping words than this: use the fallback
 MAX_WORD_POOL = 8192  # enough variety; checking more only costs start-up time
 MIN_SHAREGPT_LEN = 4  # vLLM drops shorter prompts and replies too
