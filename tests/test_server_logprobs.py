@@ -11,7 +11,6 @@ the HTTP bodies carry token texts, not ids.
 import asyncio
 
 import httpx
-import pytest
 import torch
 
 from tinyserve.engine.reference import forward_sequence
