@@ -50,7 +50,9 @@ class ModelConfig:
     intermediate_size: int
     max_position_embeddings: int
     norm_eps: float
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    # None: hidden_size // num_attention_heads. __post_init__ resolves it, so a built config always holds
+    # an int (and dataclasses.replace passes that int on).
+    head_dim: int | None = None
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
@@ -74,7 +76,7 @@ class ModelConfig:
         "num_attention_heads": 1024,  # (405B: 128)
         "num_key_value_heads": 1024,
         "intermediate_size": 1 << 20,  # (405B: 53,248)
-        "head_dim": 1024,  # (Gemma: 256); 0 means hidden_size / num_attention_heads
+        "head_dim": 1024,  # (Gemma: 256); None means hidden_size / num_attention_heads
         "max_position_embeddings": 1 << 24,  # (Llama 4 Scout: 10M)
     }
     # Rotary families build cos/sin tables of max_position_embeddings x head_dim float32 entries when the
@@ -84,7 +86,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_sizes()
-        if self.head_dim == 0:
+        if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                                  f"({self.num_attention_heads}) when head_dim is not given")
@@ -107,10 +109,12 @@ class ModelConfig:
     def _check_sizes(self) -> None:
         for name, limit in self.MAX_SIZES.items():
             value = getattr(self, name)
+            if name == "head_dim" and value is None:  # derived in __post_init__, checked there
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-            if not (1 <= value <= limit or (name == "head_dim" and value == 0)):
-                derived = " (or 0: hidden_size / num_attention_heads)" if name == "head_dim" else ""
+            if not 1 <= value <= limit:
+                derived = " (or None: hidden_size / num_attention_heads)" if name == "head_dim" else ""
                 raise ValueError(f"{name} must be in [1, {limit}]{derived}, got {value}")
 
     def _check_head_layout(self) -> None:
