@@ -4,11 +4,10 @@ reference and against dense causal attention, with scattered block tables and mi
 import pytest
 import torch
 
-from tinyserve.layers import cpu_kernels
-from tinyserve.layers.attention import (
-    AttentionMetadata, KVCache, causal_mask, decode_group_bounds, paged_attention, reference_paged_attention,
-    write_kv,
-)
+from tinyserve.layers import cpu_kernels, ops
+from tinyserve.layers.attention import causal_mask, paged_attention, reference_paged_attention
+from tinyserve.layers.attention_metadata import AttentionMetadata, decode_group_bounds
+from tinyserve.layers.kv_cache import KVCache, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
@@ -45,8 +44,9 @@ def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HE
         slots.append(seq_slots[cached:])
         q_parts.append(q[cached:]); k_new.append(k[cached:]); v_new.append(v[cached:])
     meta = AttentionMetadata.build(
-        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block,
-        kv_heads, num_blocks, torch.device("cpu"), decode_kernel,
+        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size=block,
+        num_blocks=num_blocks, num_heads=heads, num_kv_heads=kv_heads, device=torch.device("cpu"),
+        decode_kernel=decode_kernel,
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.slot_mapping)
@@ -65,9 +65,9 @@ MIXES = [
 
 def test_decode_kernel_builds_on_this_cpu():
     assert cpu_kernels.load() is not None  # g++ and ninja come with `make setup`
-    assert cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
-    assert not cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
-    assert not cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
+    assert ops.decode_kernel_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
+    assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
+    assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
 
 
 @pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
@@ -191,8 +191,9 @@ def test_metadata_refuses_tables_outside_the_pool(decode_kernel, fault):
         slots[0] = 4 * BLOCK
 
     def build():
-        return AttentionMetadata.build(slots, block_tables, seq_lens, [1, 1], BLOCK, KV_HEADS, 4,
-                                       torch.device("cpu"), decode_kernel)
+        return AttentionMetadata.build(slots, block_tables, seq_lens, [1, 1], block_size=BLOCK, num_blocks=4,
+                                       num_heads=HEADS, num_kv_heads=KV_HEADS, device=torch.device("cpu"),
+                                       decode_kernel=decode_kernel)
 
     if fault is None:
         assert build().num_decodes == 2

@@ -8,8 +8,8 @@ import contextlib
 import torch
 from torch import nn
 
-from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
-from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.layers.attention_metadata import AttentionMetadata
+from tinyserve.layers.kv_cache import allocate_kv_cache, bind_kv_cache
 from tinyserve.models.registry import device_and_dtype
 
 
@@ -57,7 +57,8 @@ class _ReferenceRunner:
         self.model, self.block_size = model, block_size
         self.decode_kernel = decode_kernel
         num_blocks = -(-max_len // block_size)
-        bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, dtype, self.device))
+        caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, self.device)
+        bind_kv_cache(model.attention_layers, caches)
         self.block_table = list(range(num_blocks))
 
     def run(self, token_ids: list[int], start: int) -> torch.Tensor:
@@ -65,8 +66,8 @@ class _ReferenceRunner:
         meta = AttentionMetadata.build(
             slot_mapping=list(range(start, start + n)),  # contiguous table: slot == position
             block_tables=[self.block_table], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
-            num_kv_heads=self.model.config.num_key_value_heads, num_blocks=len(self.block_table), device=self.device,
-            decode_kernel=self.decode_kernel,
+            num_blocks=len(self.block_table), num_heads=self.model.config.num_attention_heads,
+            num_kv_heads=self.model.config.num_key_value_heads, device=self.device, decode_kernel=self.decode_kernel,
         )
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
-from tinyserve.layers.activation import gelu_tanh
-from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers import ops
+from tinyserve.layers.attention import Attention
+from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, TiedLMHead
@@ -43,7 +44,7 @@ class GPT2MLP(DirectCall, nn.Module):
         self.c_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(gelu_tanh(self.c_fc(x)))
+        return self.c_proj(ops.gelu_tanh(self.c_fc(x)))
 
 
 class GPT2Block(DirectCall, nn.Module):
@@ -81,7 +82,7 @@ class GPT2LMHeadModel(DirectCall, nn.Module):
         self.config = config
         self.transformer = GPT2Model(config)
         self.lm_head = (TiedLMHead(self.transformer.wte) if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, config.vocab_size, bias=False, is_lm_head=True))
 
     @property
     def attention_layers(self) -> list[Attention]:
