@@ -1,6 +1,8 @@
 """Paged attention (batched decodes + per-sequence prefill chunks, via SDPA) against the plain
 reference and against dense causal attention, with scattered block tables and mixed lengths."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -125,6 +127,19 @@ def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
     # each group is padded to its own longest sequence (96 and 56 tokens), not to the step's longest
     assert meta.decode_groups[0].bias.shape == (20, 1, 96)
     assert meta.decode_groups[1].bias.shape == (20, 1, 56)
+
+
+def test_the_decode_plan_is_complete_before_the_forward():
+    """Built once per step by the model runner and only read by the layers: the torch-op groups come with
+    their value bags (one bag per kv head, sequence and query head of its group), and nothing can be set."""
+    seqs = [(c, 1) for c in range(40, 0, -1)]
+    _, meta, *_ = _build(seqs, torch.float32)
+    for group in meta.decode_groups:
+        num_seqs, width = group.end - group.start, group.bias.shape[-1]
+        assert group.value_bags.numel() == KV_HEADS * num_seqs * (HEADS // KV_HEADS) * width
+        assert group.value_bag_offsets.tolist() == list(range(0, group.value_bags.numel(), width))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.decode_groups[0].value_bags = None
 
 
 def _kernel_inputs(with_meta=False):

@@ -169,6 +169,16 @@ def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_
     assert torch.equal(small.argmax(-1), got[:2].argmax(-1))
 
 
+def test_the_lm_head_is_the_one_its_model_marks(tiny_llama):
+    """int4 mode keeps the head in int8 because the model marks it when it builds it, not by its name."""
+    model = tiny_llama(False)
+    model.output = model.lm_head  # the same head under another name (GGUF's)
+    del model.lm_head
+    quantize_linear_weights(model, "int4")
+    assert isinstance(model.output.weight_format, Int8Weight)
+    assert all(isinstance(m.weight_format, Int4Weight) for m in model.model.modules() if isinstance(m, Linear))
+
+
 def test_quantization_needs_cpu_bfloat16():
     check_quantization(None, torch.float32, torch.device("cuda"))  # unquantized: anything goes
     check_quantization("int4", torch.bfloat16, torch.device("cpu"))
