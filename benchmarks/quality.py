@@ -3,7 +3,7 @@ and perplexity on a fixed text (benchmarks/data/quality_text.txt). README "Speed
 
 Both are computed one token per step, as decoding computes them: a quantized mode's int kernels serve
 steps of at most a few tokens (layers/quant.py), so that is the path a stream's tokens come from; decode
-attention runs in the engine's C++ kernel (layers/cpu_kernels.py) in every mode but the reference.
+attention runs in the engine's C++ kernel (layers/ops.py) in every mode but the reference.
 
 - agreement: per prompt, 64 greedy tokens (chat template, ignore EOS); "same tokens" is the share of
   all tokens before each prompt's first divergence from float32, "identical" counts prompts with all 64.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tinyserve.engine.reference import forward_sequence, greedy_generate
-from tinyserve.layers.cpu_kernels import decode_kernel_applies
+from tinyserve.layers.ops import decode_kernel_applies
 from tinyserve.loader.model_loader import load_model
 from tinyserve.models.registry import device_and_dtype
 

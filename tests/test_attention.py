@@ -1,14 +1,15 @@
 """Paged attention (batched decodes + per-sequence prefill chunks, via SDPA) against the plain
 reference and against dense causal attention, with scattered block tables and mixed lengths."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from tinyserve.layers import cpu_kernels
-from tinyserve.layers.attention import (
-    AttentionMetadata, KVCache, causal_mask, decode_group_bounds, paged_attention, reference_paged_attention,
-    write_kv,
-)
+from tinyserve.layers import cpu_kernels, ops
+from tinyserve.layers.attention import causal_mask, paged_attention, reference_paged_attention
+from tinyserve.layers.attention_metadata import AttentionMetadata, decode_group_bounds
+from tinyserve.layers.kv_cache import KVCache, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
@@ -45,8 +46,9 @@ def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HE
         slots.append(seq_slots[cached:])
         q_parts.append(q[cached:]); k_new.append(k[cached:]); v_new.append(v[cached:])
     meta = AttentionMetadata.build(
-        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block,
-        kv_heads, num_blocks, torch.device("cpu"), decode_kernel,
+        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size=block,
+        num_blocks=num_blocks, num_heads=heads, num_kv_heads=kv_heads, device=torch.device("cpu"),
+        decode_kernel=decode_kernel, kv_caches=[cache],
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.slot_mapping)
@@ -65,9 +67,9 @@ MIXES = [
 
 def test_decode_kernel_builds_on_this_cpu():
     assert cpu_kernels.load() is not None  # g++ and ninja come with `make setup`
-    assert cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
-    assert not cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
-    assert not cpu_kernels.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
+    assert ops.decode_kernel_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
+    assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
+    assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
 
 
 @pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
@@ -125,6 +127,19 @@ def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
     # each group is padded to its own longest sequence (96 and 56 tokens), not to the step's longest
     assert meta.decode_groups[0].bias.shape == (20, 1, 96)
     assert meta.decode_groups[1].bias.shape == (20, 1, 56)
+
+
+def test_the_decode_plan_is_complete_before_the_forward():
+    """Built once per step by the model runner and only read by the layers: the torch-op groups come with
+    their value bags (one bag per kv head, sequence and query head of its group), and nothing can be set."""
+    seqs = [(c, 1) for c in range(40, 0, -1)]
+    _, meta, *_ = _build(seqs, torch.float32)
+    for group in meta.decode_groups:
+        num_seqs, width = group.end - group.start, group.bias.shape[-1]
+        assert group.value_bags.numel() == KV_HEADS * num_seqs * (HEADS // KV_HEADS) * width
+        assert group.value_bag_offsets.tolist() == list(range(0, group.value_bags.numel(), width))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.decode_groups[0].value_bags = None
 
 
 def _kernel_inputs(with_meta=False):
@@ -191,8 +206,9 @@ def test_metadata_refuses_tables_outside_the_pool(decode_kernel, fault):
         slots[0] = 4 * BLOCK
 
     def build():
-        return AttentionMetadata.build(slots, block_tables, seq_lens, [1, 1], BLOCK, KV_HEADS, 4,
-                                       torch.device("cpu"), decode_kernel)
+        return AttentionMetadata.build(slots, block_tables, seq_lens, [1, 1], block_size=BLOCK, num_blocks=4,
+                                       num_heads=HEADS, num_kv_heads=KV_HEADS, device=torch.device("cpu"),
+                                       decode_kernel=decode_kernel, kv_caches=[])
 
     if fault is None:
         assert build().num_decodes == 2

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyserve.layers import cpu_kernels
-from tinyserve.layers.activation import SiluAndMul
-from tinyserve.layers.norm import RMSNorm, rms_norm
-from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
+from tinyserve.layers import cpu_kernels, ops
+from tinyserve.layers.norm import RMSNorm
+from tinyserve.layers.ops import torch_rms_norm as rms_norm
+from tinyserve.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -72,7 +72,7 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
 def test_layers_agree_on_both_paths(monkeypatch, use_kernels):
     """The layers give the torch formulas' values whichever path runs (float16 and CUDA take the torch one)."""
     if not use_kernels:
-        monkeypatch.setattr(cpu_kernels, "applies", lambda x: False)
+        monkeypatch.setattr(ops, "kernel_takes", lambda x: False)
     gen = torch.Generator().manual_seed(3)
     norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
     norm.weight.data = torch.randn(64, generator=gen).to(torch.bfloat16)
@@ -83,10 +83,10 @@ def test_layers_agree_on_both_paths(monkeypatch, use_kernels):
     assert torch.equal(out, rms_norm(expected_sum, norm.weight, 1e-6))
     assert torch.equal(norm(x), rms_norm(x, norm.weight, 1e-6))
     h = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
-    assert torch.equal(SiluAndMul()(h), F.silu(h[:, :64]) * h[:, 64:])
+    assert torch.equal(ops.silu_and_mul(h), F.silu(h[:, :64]) * h[:, 64:])
     q = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
     cos, sin = RotaryEmbedding(64, 128, 10000.0)(torch.arange(5), torch.bfloat16)
-    assert torch.equal(apply_rotary(q, cos, sin), q * cos + q.roll(32, dims=-1) * sin)
+    assert torch.equal(ops.rotary(q, cos, sin), q * cos + q.roll(32, dims=-1) * sin)
 
 
 def test_zero_widths_raise_instead_of_dividing_by_zero():

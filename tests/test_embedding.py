@@ -15,7 +15,7 @@ def test_lookup_from_int8_codes_equals_the_dequantized_rows():
     ids = torch.tensor([0, 36, 5, 16, 15, 36, 31])
     plain = embedding(ids)
     assert torch.equal(plain, dequantized[ids])
-    embedding.kernel_weight = quantized
+    embedding.weight_format = quantized
     embedding.weight = torch.nn.Parameter(embedding.weight.to("meta"), requires_grad=False)
     assert torch.equal(embedding(ids), plain)
 

@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.layers.linear import (
-    Bf16Weight,
     Linear,
     MergedLinear,
     TiedLMHead,
     can_pack,
     pack_linear_weights,
 )
+from tinyserve.layers.weight_format import Bf16Weight, OneDnnWeight
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this CPU's oneDNN has no bfloat16 kernels")
@@ -38,8 +38,8 @@ def test_packed_linear_equals_plain(rows, own_kernel):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
         assert pack_linear_weights(layer, own_kernel) == 1
-        assert isinstance(layer.kernel_weight, Bf16Weight) == own_kernel
-        assert (layer.packed_weight is None) == own_kernel
+        assert isinstance(layer.weight_format, Bf16Weight) == own_kernel
+        assert (not isinstance(layer.weight_format, OneDnnWeight)) == own_kernel
         assert layer.weight.is_meta and layer.weight.shape == (layer.out_features, 96)  # no plain copy left
         torch.testing.assert_close(layer(x).float(), expected, rtol=1.6e-2, atol=1e-2)
 

@@ -2,6 +2,7 @@
 prefix caching; n > 1; stop strings; abort; every block free after each test."""
 
 import random
+import threading
 
 import pytest
 
@@ -152,3 +153,40 @@ def test_kv_budget_too_small_is_refused(smollm2_loaded):
     config = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.001))
     with pytest.raises(ValueError, match="fewer than one max-length sequence"):
         LLMEngine(config, loaded=smollm2_loaded)
+
+
+def test_engines_sharing_one_loaded_model_keep_their_own_kv(smollm2_loaded):
+    """The KV pools travel with each step's metadata, not in the model: two engines built on one loaded
+    model, stepped in turn and then on two threads at once, give each request the tokens it gets alone."""
+    tokens = smollm2_loaded.tokenizer.encode(TEXT)
+    prompts = {"a": tokens[:90], "b": tokens[40:200]}
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    alone = {rid: _run(_engine(smollm2_loaded), [p], [greedy])[(0, 0)][0] for rid, p in prompts.items()}
+    assert alone["a"] != alone["b"]
+
+    def drain(engine, out):
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
+
+    first, second = _engine(smollm2_loaded), _engine(smollm2_loaded)
+    in_turn: dict[str, list[int]] = {}
+    first.add_request("a", prompts["a"], greedy)
+    second.add_request("b", prompts["b"], greedy)
+    while first.has_unfinished_requests() or second.has_unfinished_requests():
+        for engine in (first, second):
+            for o in engine.step():
+                in_turn[o.request_id] = in_turn.get(o.request_id, []) + o.new_token_ids
+    assert in_turn == alone
+
+    threaded: dict[str, list[int]] = {}
+    first.add_request("a", prompts["a"], greedy)
+    second.add_request("b", prompts["b"], greedy)
+    workers = [threading.Thread(target=drain, args=(e, threaded)) for e in (first, second)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert threaded == alone
+    for engine in (first, second):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -334,7 +334,7 @@ def test_loading_imports_no_compiler_stack():
     init and to() / to_empty() on meta tensors do (~60 MiB resident in a server that never compiles)."""
     code = ("import sys\n"
             "from tinyserve.loader.model_loader import load_model\n"
-            "load_model('smollm2-135m', device='cpu', quantization=None)\n"
+            "load_model('smollm2-135m', 'auto', 'cpu')\n"
             "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -10,8 +10,8 @@ import torch
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.reference import forward_sequence
+from tinyserve.layers import ops
 from tinyserve.layers.linear import (
-    Bf16Weight,
     Linear,
     TiedLMHead,
     can_pack,
@@ -24,6 +24,7 @@ from tinyserve.layers.quant import (
     check_quantization,
     int4_codes,
 )
+from tinyserve.layers.weight_format import Bf16Weight
 from tinyserve.loader.gguf import open_gguf
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
@@ -41,7 +42,7 @@ def test_int_kernel_computes_the_dequantized_product(fmt, rows):
     assert (dequantized - weight).abs().max() <= step / 2 + 1e-6
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     expected = x.float() @ dequantized.t()
-    got = quantized.matmul(x).float()
+    got = ops.linear(x, quantized).float()
     assert got.shape == (rows, 96)
     # the int4 kernel also rounds its inputs to int8 per group of 32 (as llama.cpp's Q4_1 x Q8_1)
     assert (got - expected).abs().max() <= 0.03 * expected.abs().max()
@@ -79,7 +80,7 @@ def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens)
     x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
     x[0, :32] = 0  # an all-zero input group: scale 0, no division by zero
     expected = _kernel_formula(x, weight, fmt)
-    got = fmt.quantize(weight)[0].matmul(x)
+    got = ops.linear(x, fmt.quantize(weight)[0])
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
     assert ((got.float() - expected).abs() <= expected.abs() / 256 + 1e-5 * expected.abs().max()).all()
 
@@ -89,11 +90,11 @@ def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens)
 def test_our_matmul_kernels_refuse_what_they_are_not_built_for(pack):
     quantized = pack(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="no tokens"):
-        quantized.matmul(torch.empty(0, 64, dtype=torch.bfloat16))
+        ops.linear(torch.empty(0, 64, dtype=torch.bfloat16), quantized)
     with pytest.raises(RuntimeError, match="shapes"):
-        quantized.matmul(torch.randn(1, 96, dtype=torch.bfloat16))
+        ops.linear(torch.randn(1, 96, dtype=torch.bfloat16), quantized)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        quantized.matmul(torch.randn(1, 64))
+        ops.linear(torch.randn(1, 64), quantized)
 
 
 def _q4_1_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,8 +148,8 @@ def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_
     assert quantize_linear_weights(model, quantization) == 0  # idempotent
     block_format = Int8Weight if quantization == "int8" else Int4Weight
     blocks = [m for m in model.model.modules() if isinstance(m, Linear)]
-    assert all(isinstance(m.kernel_weight, block_format) and m.weight.is_meta for m in blocks)  # no float copy
-    assert isinstance(model.lm_head.kernel_weight, Int8Weight)
+    assert all(isinstance(m.weight_format, block_format) and m.weight.is_meta for m in blocks)  # no float copy
+    assert isinstance(model.lm_head.weight_format, Int8Weight)
     assert isinstance(model.lm_head, TiedLMHead) == tied
     # a tied head's matrix is the embedding: lookups read its int8 codes, and no float copy is kept
     assert model.model.embed_tokens.weight.is_meta == tied
@@ -166,6 +167,16 @@ def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_
     small = forward_sequence(model, ids[:2])
     assert (small - got[:2]).abs().max() <= 0.05 * got[:2].abs().max()
     assert torch.equal(small.argmax(-1), got[:2].argmax(-1))
+
+
+def test_the_lm_head_is_the_one_its_model_marks(tiny_llama):
+    """int4 mode keeps the head in int8 because the model marks it when it builds it, not by its name."""
+    model = tiny_llama(False)
+    model.output = model.lm_head  # the same head under another name (GGUF's)
+    del model.lm_head
+    quantize_linear_weights(model, "int4")
+    assert isinstance(model.output.weight_format, Int8Weight)
+    assert all(isinstance(m.weight_format, Int4Weight) for m in model.model.modules() if isinstance(m, Linear))
 
 
 def test_quantization_needs_cpu_bfloat16():

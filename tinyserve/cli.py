@@ -29,7 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight-only quantization on CPU (bfloat16 activations): faster single-stream decode, "
                         "slower at large batches; see README 'Speed modes'")
     g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory_gib, metavar="GIB",
-                   help="KV cache budget in GiB (default: 1 GiB on CPU, half the free memory on CUDA)")
+                   help=f"KV cache budget in GiB (default: {CacheConfig.cpu_kv_cache_memory_gib:g} GiB on CPU, "
+                        f"{CacheConfig.memory_fraction:.0%} of the free memory on CUDA)")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)

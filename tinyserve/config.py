@@ -54,7 +54,9 @@ class ModelConfig:
     intermediate_size: int
     max_position_embeddings: int
     norm_eps: float
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    # None: hidden_size // num_attention_heads. __post_init__ resolves it, so a built config always holds
+    # an int (and dataclasses.replace passes that int on).
+    head_dim: int | None = None
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
@@ -78,7 +80,7 @@ class ModelConfig:
         "num_attention_heads": 1024,  # (405B: 128)
         "num_key_value_heads": 1024,
         "intermediate_size": 1 << 20,  # (405B: 53,248)
-        "head_dim": 1024,  # (Gemma: 256); 0 means hidden_size / num_attention_heads
+        "head_dim": 1024,  # (Gemma: 256); None means hidden_size / num_attention_heads
         "max_position_embeddings": 1 << 24,  # (Llama 4 Scout: 10M)
     }
     # Rotary families build cos/sin tables of max_position_embeddings x head_dim float32 entries when the
@@ -88,7 +90,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_sizes()
-        if self.head_dim == 0:
+        if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                                  f"({self.num_attention_heads}) when head_dim is not given")
@@ -111,10 +113,12 @@ class ModelConfig:
     def _check_sizes(self) -> None:
         for name, limit in self.MAX_SIZES.items():
             value = getattr(self, name)
+            if name == "head_dim" and value is None:  # derived in __post_init__, checked there
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-            if not (1 <= value <= limit or (name == "head_dim" and value == 0)):
-                derived = " (or 0: hidden_size / num_attention_heads)" if name == "head_dim" else ""
+            if not 1 <= value <= limit:
+                derived = " (or None: hidden_size / num_attention_heads)" if name == "head_dim" else ""
                 raise ValueError(f"{name} must be in [1, {limit}]{derived}, got {value}")
 
     def _check_head_layout(self) -> None:
@@ -139,7 +143,10 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_gib: float | None = None  # explicit budget; None: a fraction of free device memory
-    memory_fraction: float = 0.5  # of free memory, when no explicit budget is given
+    memory_fraction: float = 0.5  # of free memory, when no explicit budget is given (CUDA)
+    # With no explicit budget on the CPU, a fixed space (like vLLM's CPU default): a fraction of a shared
+    # host's free memory would be a moving target.
+    cpu_kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # derived at start-up from the budget; set directly only in tests
 
@@ -148,6 +155,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.cpu_kv_cache_memory_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_memory_gib must be > 0, got {self.cpu_kv_cache_memory_gib}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_blocks is not None and self.num_blocks < 1:

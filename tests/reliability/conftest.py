@@ -2,8 +2,7 @@
 the protocol, tokenizer and chat-template paths are the real ones, while a step is so cheap that
 thousands of requests fit in a test.
 
-Each server builds its own model: the runner binds its KV pool into the model's attention layers, so two
-engines must never share one model object. The tokenizer is immutable and shared.
+Each server builds its own random model (a seed per server); the tokenizer is immutable and shared.
 """
 
 from __future__ import annotations

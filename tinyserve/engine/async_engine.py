@@ -10,7 +10,7 @@ back through `loop.call_soon_threadsafe`, one call per step.
 `launch` builds the LLMEngine on the engine thread itself, so that one thread runs all of torch's work.
 Why: each thread that runs a parallel op gets its own OpenMP team, and once libgomp manages more
 threads than there are cores it stops spinning between parallel regions, and each step got slower
-(docs/PERFORMANCE.md, "Measured in passing").
+(docs/PERFORMANCE.md, "Numbers behind the code's comments").
 
 Bounds, so that no client can hold the server: each stream's buffer is bounded (engine/request_stream.py:
 a reader that falls behind pauses its request), a stream can be ended on the event loop without the engine

@@ -103,7 +103,8 @@ class BlockManager:
             return False
         cached_blocks, num_fresh = plan
         table = request.block_table
-        if not table:
+        was_empty = not table
+        if was_empty:
             if self.enable_prefix_caching:
                 self._count_prefix_query(request, len(cached_blocks))
             request.num_hashed_blocks = len(cached_blocks)
@@ -111,7 +112,7 @@ class BlockManager:
             self._take(block_id)
         table.extend(cached_blocks)
         table.extend(self._pop_fresh() for _ in range(num_fresh))
-        if table:
+        if was_empty and table:  # a holder from its first block on, until free
             self._holders.add(request)
         return True
 

@@ -27,12 +27,8 @@ from dataclasses import replace
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
-from tinyserve.engine.memory import (
-    keep_freed_host_memory,
-    map_large_buffers_apart,
-    resolve_cache_config,
-    resolve_max_model_len,
-)
+from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
+from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput

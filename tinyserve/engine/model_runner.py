@@ -2,7 +2,8 @@
 
 The batch has no padding between sequences: each sequence contributes exactly the tokens the scheduler
 gave it. Sequences with one new token (decodes) go first, longest context first, so that attention can
-treat them together (layers/attention.py).
+treat them together (layers/attention.py). The step's AttentionMetadata, decode plan included, is built
+completely here, before the forward; the layers only read it.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
-from tinyserve.engine.sampler import Sampler
-from tinyserve.layers.attention import AttentionMetadata
-from tinyserve.layers.cpu_kernels import decode_kernel_applies
-from tinyserve.models.registry import device_and_dtype
 from tinyserve.engine.request import Request
+from tinyserve.engine.sampler import Sampler
+from tinyserve.layers.attention_metadata import AttentionMetadata
+from tinyserve.layers.kv_cache import allocate_kv_cache
+from tinyserve.layers.ops import decode_kernel_applies
+from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import TokenLogprob
 
 
@@ -49,11 +50,11 @@ class ModelRunner:
         self.device, self.dtype = device_and_dtype(model)
         self.model = model
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.num_kv_heads = model.config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
-        bind_kv_cache(model, self.kv_cache)
         self.sampler = Sampler(seed)
-        # Built (or loaded from its cache) here, at start-up, not in the first timed step.
+        # The decode plan's kernel-or-torch choice, made once; the kernels build (or load) here, at
+        # start-up, not in the first timed step.
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
 
     @torch.inference_mode()
@@ -91,8 +92,9 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(request)
         device = self.device
-        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, bs, self.num_kv_heads,
-                                       self.num_blocks, device, self.decode_kernel)
+        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
+                                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=device,
+                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache)
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

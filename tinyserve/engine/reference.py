@@ -3,26 +3,12 @@ table. A yardstick for tests (the engine must produce the same tokens) and nothi
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-from tinyserve.engine.kv_cache import allocate_kv_cache, bind_kv_cache
-from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.layers.attention_metadata import AttentionMetadata
+from tinyserve.layers.kv_cache import allocate_kv_cache
 from tinyserve.models.registry import device_and_dtype
-
-
-@contextlib.contextmanager
-def _own_kv_cache(model: nn.Module, max_len: int, block_size: int, decode_kernel: bool = False):
-    """Bind a private pool for the duration, then give the model back the pool it had (if any): the
-    reference may run on a model an engine is using."""
-    previous = [layer.kv_cache for layer in model.attention_layers]
-    try:
-        yield _ReferenceRunner(model, max_len, block_size, decode_kernel)
-    finally:
-        for layer, cache in zip(model.attention_layers, previous):
-            layer.kv_cache = cache
 
 
 @torch.inference_mode()
@@ -32,23 +18,23 @@ def forward_sequence(model: nn.Module, token_ids: list[int], block_size: int = 1
     steps of `step_tokens` tokens (1: as decoding computes them, which may take other kernels: with
     `decode_kernel`, decode attention runs in the engine's C++ kernel, else in torch ops)."""
     step = step_tokens or max(len(token_ids), 1)
-    with _own_kv_cache(model, len(token_ids), block_size, decode_kernel) as runner:
-        return torch.cat([runner.run(token_ids[i:i + step], i).float() for i in range(0, len(token_ids), step)])
+    runner = _ReferenceRunner(model, len(token_ids), block_size, decode_kernel)
+    return torch.cat([runner.run(token_ids[i:i + step], i).float() for i in range(0, len(token_ids), step)])
 
 
 @torch.inference_mode()
 def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                     eos_token_ids: frozenset[int] = frozenset(), block_size: int = 16,
                     decode_kernel: bool = False) -> list[int]:
-    with _own_kv_cache(model, len(prompt_ids) + max_new_tokens, block_size, decode_kernel) as runner:
-        logits = runner.run(prompt_ids, 0)
-        output: list[int] = []
-        while True:
-            next_id = int(logits[-1].argmax())
-            output.append(next_id)
-            if next_id in eos_token_ids or len(output) == max_new_tokens:
-                return output
-            logits = runner.run([next_id], len(prompt_ids) + len(output) - 1)
+    runner = _ReferenceRunner(model, len(prompt_ids) + max_new_tokens, block_size, decode_kernel)
+    logits = runner.run(prompt_ids, 0)
+    output: list[int] = []
+    while True:
+        next_id = int(logits[-1].argmax())
+        output.append(next_id)
+        if next_id in eos_token_ids or len(output) == max_new_tokens:
+            return output
+        logits = runner.run([next_id], len(prompt_ids) + len(output) - 1)
 
 
 class _ReferenceRunner:
@@ -57,7 +43,7 @@ class _ReferenceRunner:
         self.model, self.block_size = model, block_size
         self.decode_kernel = decode_kernel
         num_blocks = -(-max_len // block_size)
-        bind_kv_cache(model, allocate_kv_cache(model.config, num_blocks, block_size, dtype, self.device))
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, self.device)
         self.block_table = list(range(num_blocks))
 
     def run(self, token_ids: list[int], start: int) -> torch.Tensor:
@@ -65,8 +51,9 @@ class _ReferenceRunner:
         meta = AttentionMetadata.build(
             slot_mapping=list(range(start, start + n)),  # contiguous table: slot == position
             block_tables=[self.block_table], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
-            num_kv_heads=self.model.config.num_key_value_heads, num_blocks=len(self.block_table), device=self.device,
-            decode_kernel=self.decode_kernel,
+            num_blocks=len(self.block_table), num_heads=self.model.config.num_attention_heads,
+            num_kv_heads=self.model.config.num_key_value_heads, device=self.device, decode_kernel=self.decode_kernel,
+            kv_caches=self.kv_caches,
         )
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)

@@ -44,7 +44,7 @@ class Sampler:
         )
         if all(_is_plain_greedy(r) for r in requests):
             # the fast path. The float32 cast is exact and pays for itself: argmax over bfloat16 rows
-            # is slower than cast + argmax on CPU (docs/PERFORMANCE.md, "Measured in passing")
+            # is slower than cast + argmax on CPU (docs/PERFORMANCE.md, "Numbers behind the code's comments")
             next_token_ids = logits.float().argmax(dim=-1)  # [batch]
         else:
             next_token_ids = self._sample(logits.float(), requests)

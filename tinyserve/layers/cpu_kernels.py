@@ -1,4 +1,5 @@
-"""Our C++ CPU kernels (csrc/), compiled on first use by torch's extension builder and cached per machine.
+"""Our C++ CPU kernels (csrc/), compiled on first use by torch's extension builder and cached per machine:
+loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; it decides where they apply.
 
 - decode attention (csrc/paged_decode_attention.cpp): torch has no paged attention for the CPU, and
   doing it with torch ops copied every sequence's K once per layer;
@@ -7,10 +8,10 @@
 - matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md).
 
-The layers call these on CPU in float32 and bfloat16 and fall back to their torch formulas elsewhere
-(CUDA, float16), or if the build fails. The first build takes ~40 s (g++ and ninja, both installed by
-`make setup`); later processes load the cached library from ~/.cache/torch_extensions (or
-$TORCH_EXTENSIONS_DIR) in well under a second.
+They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES). The first build compiles every source
+with g++ and ninja (both installed by `make setup`); later processes load the cached library from
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). Build and load times: docs/PERFORMANCE.md,
+"Numbers behind the code's comments".
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp",
                                            "quantized_matmul.cpp", "bf16_matmul.cpp")]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
 # dot products and sums into vector lanes and call the vectorized expf; inputs are finite scores.
 # (Compiler flags do not reach the link step, so the process's float mode is not changed.)
@@ -61,7 +62,7 @@ def load() -> ModuleType | None:
     """The compiled kernels, or None (logged once) if they cannot be built here."""
     from torch.utils.cpp_extension import load as build
 
-    logger.info("loading the C++ CPU kernels (compiled on a machine's first run, ~40 s)")
+    logger.info("loading the C++ CPU kernels (compiled on a machine's first run, which takes a while)")
     # torch runs the first `ninja` on PATH. Ours (installed beside this interpreter) goes first, so every
     # process uses one version: another version discards the build log and rebuilds everything (~1 min).
     path = os.environ.get("PATH", "")
@@ -79,23 +80,12 @@ def load() -> ModuleType | None:
 
 def _named(name: str, kernel, *args):
     """kernel(*args), named for torch.profiler when one is recording (benchmarks/step_breakdown.py sorts
-    ops by name; a pybind call is otherwise invisible to it). The name costs ~6 us a call, so only then."""
+    ops by name; a pybind call is otherwise invisible to it). Naming has a cost per call (docs/PERFORMANCE.md,
+    "Decode step now, by batch"), so only then."""
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.profiler.record_function(name):
             return kernel(*args)
     return kernel(*args)
-
-
-def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether decode attention for this model runs in our kernel: CPU, a compiled dtype and head size,
-    and a successful build."""
-    return (device.type == "cpu" and dtype in KERNEL_DTYPES and head_dim in DECODE_HEAD_DIMS
-            and load() is not None)
-
-
-def applies(x: torch.Tensor) -> bool:
-    """Whether the elementwise kernels take this tensor: on CPU, in float32 or bfloat16, and built."""
-    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and load() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,

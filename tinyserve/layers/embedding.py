@@ -2,31 +2,39 @@
 
 Why a class of our own: the weights always come from a checkpoint, so the random init nn.Embedding runs
 at construction is skipped. On the meta device (where the loader builds models) that init is torch's
-Python reference of `normal_`, whose first use imports torch._dynamo and sympy: ~50 MiB resident for a
-server that never compiles anything.
+Python reference of `normal_`, whose first use imports torch._dynamo and sympy: resident memory for a
+server that never compiles anything (docs/PERFORMANCE.md, "Resident memory").
 
 Why int8 lookups: a quantized model's tied LM head is int8 (layers/quant.py), and the embedding's rows
 are exactly its values, so the rows are read from the head's codes instead of a bfloat16 copy of the
-matrix (56 MiB for SmolLM2-135M).
+vocab x hidden matrix.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.quant import Int8Weight
+from tinyserve.layers.weight_format import DenseWeight
 
 
 class Embedding(DirectCall, nn.Embedding):
-    kernel_weight: Int8Weight | None = None  # set with a quantized tied head; `weight` is then on meta
+    """Looks rows up in `weight_format`: DenseWeight(self.weight), or the Int8Weight of a quantized tied
+    head (set by quantize_linear_weights; `weight` is then a placeholder on meta). The same NOTE as
+    Linear's holds: a replaced parameter needs use_dense_weight again."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.use_dense_weight()
 
     def reset_parameters(self) -> None:
         pass  # filled by the loader (see the module docstring)
 
+    def use_dense_weight(self) -> None:
+        self.weight_format: DenseWeight | Int8Weight = DenseWeight(self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.kernel_weight is not None:
-            return self.kernel_weight.rows(ids).to(self.weight.dtype)
-        return F.embedding(ids, self.weight)
+        return ops.embedding(ids, self.weight_format).to(self.weight.dtype)  # int8 rows come as float32

@@ -1,12 +1,11 @@
-"""Normalization layers."""
+"""Normalization layers: their weights, and the math in layers/ops.py."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.layers import cpu_kernels
+from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
 
 
@@ -20,22 +19,10 @@ class RMSNorm(DirectCall, nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, with the pre-norm decoder's residual stream, (norm(x + residual), x + residual),
-        the sum possibly written into residual's memory. One C++ call on CPU (cpu_kernels)."""
-        if cpu_kernels.applies(x) and x.is_contiguous() and self.weight.dtype == x.dtype:
-            if residual is None:
-                return cpu_kernels.rms_norm(x, self.weight, self.eps)
-            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        the sum possibly written into residual's memory."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        residual = x + residual
-        return rms_norm(residual, self.weight, self.eps), residual
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch formula (Hugging Face's): the fallback off the CPU kernels, and their yardstick."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LayerNorm(DirectCall, nn.Module):
@@ -48,4 +35,4 @@ class LayerNorm(DirectCall, nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)

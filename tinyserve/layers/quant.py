@@ -1,12 +1,11 @@
 """Weight-only quantization of the linear layers (CPU): int8 and int4 in groups of 32 inputs.
 
 Why: a decode step with a few tokens is bound by reading the weights, so fewer bytes per weight is
-faster. Our kernels (csrc/quantized_matmul.cpp) run all of SmolLM2-135M's block linears at one token per
-step in ~2.7 ms in int4 and ~4.0 ms in int8, against ~3.7 ms for torch's int4 kernel and 12-24 ms for
-oneDNN in packed bfloat16; they still lead bfloat16 at 64 tokens (30 vs 40 ms) and, barely, at 512
-(253 vs 266 ms; docs/PERFORMANCE.md). So a quantized layer has one layout, the kernel's, for every
-step. The kernels round each group of 32 activations to int8, as llama.cpp's do: that is part of the
-quantized model.
+faster. Our kernels (csrc/quantized_matmul.cpp) beat torch's int4 kernel at one token and oneDNN's
+packed bfloat16 at every step size measured, from one token to 512 (docs/PERFORMANCE.md, "Speed modes"),
+so a quantized layer has one layout, the kernel's, for every step; ops.linear multiplies by it. The
+kernels round each group of 32 activations to int8, as llama.cpp's do: that is part of the quantized
+model.
 
 The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group), int8 is Q8_0
 (code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
@@ -15,11 +14,12 @@ The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from tinyserve.config import QUANTIZATIONS
-from tinyserve.layers import cpu_kernels
 
 GROUP = 32  # inputs per scale (and minimum)
 KERNEL_ROWS = 16  # the kernels interleave the weights of 16 output rows, one per vector lane
@@ -47,11 +47,13 @@ def _grouped(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().reshape(out_features, in_features // GROUP, GROUP)
 
 
+@dataclass(frozen=True)
 class Int8Weight:
     """Symmetric int8 per group of 32 inputs (Q8_0): w = code * scale, code in [-127, 127]."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int):
-        self.codes, self.scales, self.out_features = codes, scales, out_features
+    codes: torch.Tensor  # [blocks of 16 rows, in * 16] uint8: code + 128 (the kernel multiplies unsigned bytes)
+    scales: torch.Tensor  # [blocks, groups * 16] float16
+    out_features: int
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
@@ -74,10 +76,6 @@ class Int8Weight:
         groups = codes[block, :, row].reshape(len(ids), scales.shape[1], GROUP).float() - 128
         return (groups * scales[block, :, row].float()[..., None]).flatten(1)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [tokens, in] bfloat16 -> [tokens, out]"""
-        return cpu_kernels.int8_matmul(x, self.codes, self.scales, self.out_features)
-
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1's rule per group of 32 inputs: minimum = the group's min, scale = (max - min) / 15,
@@ -89,11 +87,14 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, scale.squeeze(-1), minimum.squeeze(-1)
 
 
+@dataclass(frozen=True)
 class Int4Weight:
     """Asymmetric int4 per group of 32 inputs (Q4_1): w = code * scale + minimum, code in [0, 15]."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, out_features: int):
-        self.codes, self.scales, self.minimums, self.out_features = codes, scales, minimums, out_features
+    codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: two codes a byte (inputs j and j + 4)
+    scales: torch.Tensor  # [blocks, groups * 16] float16
+    minimums: torch.Tensor  # [blocks, groups * 16] float16
+    out_features: int
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
@@ -108,10 +109,6 @@ class Int4Weight:
         chunks = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).to(torch.uint8)
         packed, (scales, minimums) = kernel_layout(chunks, [scale, minimum])
         return cls(packed, scales, minimums, out_features), dequantized
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [tokens, in] bfloat16 -> [tokens, out]"""
-        return cpu_kernels.int4_matmul(x, self.codes, self.scales, self.minimums, self.out_features)
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from tinyserve.config import RopeScaling
-from tinyserve.layers import cpu_kernels
 from tinyserve.layers.direct_call import DirectCall
 
 
@@ -48,15 +47,8 @@ class RotaryEmbedding(DirectCall, nn.Module):
         self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in dtype, for apply_rotary."""
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in dtype, for ops.rotary."""
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim] rotated by position (HF's "rotate half" layout). x may be a view
-    into the fused qkv output. One C++ call on CPU (cpu_kernels), the same values as the torch formula."""
-    if cpu_kernels.applies(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
-        return cpu_kernels.rotary(x, cos, sin)
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

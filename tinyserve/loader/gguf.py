@@ -83,7 +83,7 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
             intermediate_size=get("feed_forward_length", int),
             max_position_embeddings=get("context_length", int),
             norm_eps=get(norm_eps_key, float),
-            head_dim=get("attention.key_length", int, 0),  # 0: hidden / heads, checked by ModelConfig
+            head_dim=get("attention.key_length", int, 0) or None,  # absent or 0: hidden / heads (ModelConfig)
             rope_theta=get("rope.freq_base", float, 10000.0),
             rope_scaling=_rope_scaling(reader, arch, tensor_names),
             tie_word_embeddings="output.weight" not in tensor_names,

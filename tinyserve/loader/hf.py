@@ -128,7 +128,7 @@ def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
         intermediate_size=_int(raw, "intermediate_size"),
         max_position_embeddings=_int(raw, "max_position_embeddings"),
         norm_eps=_as_float(_require(raw, "rms_norm_eps"), "rms_norm_eps"),
-        head_dim=_as_int(raw.get("head_dim") or 0, "head_dim"),
+        head_dim=_as_int(raw["head_dim"], "head_dim") if raw.get("head_dim") else None,  # None: hidden / heads
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

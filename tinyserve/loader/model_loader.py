@@ -22,6 +22,7 @@ from tinyserve.layers.linear import (
     can_pack,
     pack_linear_weights,
     quantize_linear_weights,
+    use_dense_weights,
 )
 from tinyserve.layers.quant import check_quantization
 from tinyserve.loader.errors import ModelLoadError
@@ -99,17 +100,20 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
 
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace the meta placeholders by uninitialized tensors on device, floating ones in dtype.
+    """Replace the meta placeholders by uninitialized tensors on device, floating ones in dtype, and point
+    the linears' and embeddings' weight formats at the new parameters.
 
     Why not `.to(dtype).to_empty(device)`: on meta tensors those run torch's Python reference kernels,
-    whose first use imports sympy (~25 MiB resident in a server that never traces anything)."""
+    whose first use imports sympy, resident memory for a server that never traces anything
+    (docs/PERFORMANCE.md, "Resident memory")."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             empty = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
             setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
+    use_dense_weights(model)
 
 
-def load_model(model: str, dtype: str = "auto", device: str = "auto", quantization: str | None = None) -> LoadedModel:
+def load_model(model: str, dtype: str, device: str, quantization: str | None = None) -> LoadedModel:
     path = resolve_model_path(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

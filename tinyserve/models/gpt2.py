@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
-from tinyserve.layers.activation import gelu_tanh
-from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers import ops
+from tinyserve.layers.attention import Attention
+from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, TiedLMHead
@@ -20,13 +21,13 @@ from tinyserve.layers.norm import LayerNorm
 
 
 class GPT2Attention(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         hidden = config.hidden_size
         self.c_attn = Linear(hidden, 3 * hidden)  # q, k, v stacked on the output dim
         self.c_proj = Linear(hidden, hidden)
-        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, layer_index)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -43,14 +44,14 @@ class GPT2MLP(DirectCall, nn.Module):
         self.c_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(gelu_tanh(self.c_fc(x)))
+        return self.c_proj(ops.gelu_tanh(self.c_fc(x)))
 
 
 class GPT2Block(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps)
-        self.attn = GPT2Attention(config)
+        self.attn = GPT2Attention(config, layer_index)
         self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps)
         self.mlp = GPT2MLP(config)
 
@@ -64,7 +65,7 @@ class GPT2Model(nn.Module):  # a container: never called
         super().__init__()
         self.wte = Embedding(config.vocab_size, config.hidden_size)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = LayerNorm(config.hidden_size, config.norm_eps)
 
 
@@ -81,11 +82,7 @@ class GPT2LMHeadModel(DirectCall, nn.Module):
         self.config = config
         self.transformer = GPT2Model(config)
         self.lm_head = (TiedLMHead(self.transformer.wte) if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [block.attn.attn for block in self.transformer.h]
+                        else Linear(config.hidden_size, config.vocab_size, bias=False, is_lm_head=True))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden_size].

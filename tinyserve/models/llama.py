@@ -1,8 +1,9 @@
 """The Llama family: Llama 2/3, TinyLlama, SmolLM2, Mistral; Qwen2 and Qwen3 reuse it with their flags.
 
-Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), each add fused into the norm after it. GQA attention over the paged KV cache,
-rotary positions, SwiGLU MLP, tied or untied LM head. Knows nothing of requests: it maps flattened
-tokens of many sequences (with their positions and attention metadata) to hidden states.
+Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), each add fused into the norm after it.
+GQA attention over the paged KV cache, rotary positions, SwiGLU MLP, tied or untied LM head. Knows
+nothing of requests: it maps flattened tokens of many sequences (with their positions and attention
+metadata) to hidden states.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
-from tinyserve.layers.activation import SiluAndMul
-from tinyserve.layers.attention import Attention, AttentionMetadata
+from tinyserve.layers import ops
+from tinyserve.layers.attention import Attention
+from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, MergedLinear, TiedLMHead
 from tinyserve.layers.norm import RMSNorm
-from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
+from tinyserve.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -30,7 +32,7 @@ class LlamaAttention(DirectCall, nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -41,7 +43,7 @@ class LlamaAttention(DirectCall, nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
         out = self.attn(q, k, v, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -52,17 +54,16 @@ class LlamaMLP(DirectCall, nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -84,7 +85,7 @@ class LlamaModel(nn.Module):  # a container: never called
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)  # shared by all layers: one per step
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -102,11 +103,7 @@ class LlamaForCausalLM(DirectCall, nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = (TiedLMHead(self.model.embed_tokens) if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+                        else Linear(config.hidden_size, config.vocab_size, bias=False, is_lm_head=True))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden_size]"""

@@ -59,7 +59,7 @@ async def parse_body(request: Request, model: type[M], context: dict[str, Any] |
         refuse_long_lists(body, entry_caps(model, context))
         try:
             # cache keys only: caching every value slowed a body of many distinct strings, no cache one of
-            # many repeated keys (docs/PERFORMANCE.md, "Measured in passing")
+            # many repeated keys (docs/PERFORMANCE.md, "Numbers behind the code's comments")
             data = pydantic_core.from_json(body, cache_strings="keys")
         except ValueError as exc:
             raise BadRequest(f"malformed JSON body: {exc}", code="invalid_json") from None

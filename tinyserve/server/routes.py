@@ -30,7 +30,7 @@ _THREAD_DETOKENIZE_TOKENS = 8192  # longer /detokenize requests are checked and 
 
 def _model_card(state, name: str) -> ModelCard:
     # root is the served name, never the --model string: that may be a path on the server's disk
-    return ModelCard(id=name, created=state.created, root=state.model_name, max_model_len=state.max_model_len or None)
+    return ModelCard(id=name, created=state.created, root=state.model_name, max_model_len=state.max_model_len)
 
 
 @api.get("/v1/models")

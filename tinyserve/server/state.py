@@ -45,7 +45,7 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
         self.token_texts: TokenTexts | None = None  # logprobs' token strings, memoised for the app's life
-        self.max_model_len = 0
+        self.max_model_len: int | None = None  # known once the engine is built
         self.on_fatal: Callable[[], None] | None = None  # set by the launcher: exit when loading fails
         self._engine_factory = engine_factory
         self._load_task: asyncio.Task | None = None

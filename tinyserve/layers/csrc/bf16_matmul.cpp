@@ -1,11 +1,12 @@
 // bfloat16 matmul for steps of a few tokens (decode): out[t, n] = sum_k x[t, k] * w[n, k].
 //
-// Why our own: oneDNN's bf16 kernels read SmolLM2's 270 MB of weights at ~20 GB/s when a step holds one
-// token (they are built for large matrices), while memory gives ~40 here (docs/PERFORMANCE.md). Like our
-// quantized kernels (quantized_matmul.cpp), this one interleaves 16 output rows, one per vector lane, so
-// every 64-byte load is one AVX512-BF16 dot instruction per token: 16 rows x 2 inputs, summed in float32.
+// Why our own: oneDNN's bf16 kernels read the weights well below memory speed when a step holds one
+// token (they are built for large matrices; docs/PERFORMANCE.md, "Numbers behind the code's comments").
+// Like our quantized kernels (quantized_matmul.cpp), this one interleaves 16 output rows, one per vector
+// lane, so every 64-byte load is one AVX512-BF16 dot instruction per token: 16 rows x 2 inputs, summed in
+// float32.
 //
-// Layout (tinyserve/layers/linear.py packs it): rows in blocks of 16 (the last padded with zero rows);
+// Layout (tinyserve/layers/weight_format.py packs it): rows in blocks of 16 (the last padded with zero rows);
 // per block, for each pair of inputs p, 64 bytes: row l's weights of inputs 2p and 2p + 1 at bytes 4l.
 
 #include "row_blocks.h"

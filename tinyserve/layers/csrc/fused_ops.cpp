@@ -2,10 +2,9 @@
 // add before it), rotary embedding, SiLU-and-multiply.
 //
 // Why: in eager torch each is 3-8 ops (casts, pow, mean, rsqrt, muls, roll, chunk), each a dispatch,
-// an allocation and a pass over memory: ~25 ops per layer, 4 of the 23.5 ms of a batch-1 decode step
-// and 14 of 109 ms at batch 64; with these kernels, 1 and 4 ms (docs/PERFORMANCE.md). Each kernel
-// rounds where the torch formula rounds (tinyserve/layers/norm.py, rotary.py, activation.py), so the
-// two paths agree to the last bit but for the order of float32 sums.
+// an allocation and a pass over memory: ~25 ops per layer, a large share of a decode step
+// (docs/PERFORMANCE.md, "Elementwise work in C++"). Each kernel rounds where the torch formula rounds
+// (tinyserve/layers/ops.py), so the two paths agree to the last bit but for the order of float32 sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

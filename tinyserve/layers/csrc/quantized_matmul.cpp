@@ -3,8 +3,8 @@
 // GGUF's Q8_0), scale and minimum in float16 (those formats' own type, so such a file loses nothing).
 //
 // Why our own: at a few tokens per step a linear reads its weights once and does little else, so it runs
-// as fast as the weights can be decoded and streamed; torch's int4 and int8 CPU kernels reached ~12 GB/s
-// per core here (docs/PERFORMANCE.md). Two choices, both llama.cpp's on x86:
+// as fast as the weights can be decoded and streamed; torch's int4 and int8 CPU kernels streamed them
+// far slower (docs/PERFORMANCE.md, "Speed modes"). Two choices, both llama.cpp's on x86:
 // - each group of 32 inputs is rounded to int8 with one float scale (per step, cheap: a few rows), so
 //   that codes times inputs are integer dot instructions (AVX512-VNNI) with exact int32 sums;
 // - the weights are interleaved by 16 output rows, one row per vector lane: a lane sums its own row,
@@ -41,9 +41,10 @@ constexpr int kGroup = 32;
 __attribute__((optimize("no-fast-math"), noinline)) float exact_divide(float a, float b) { return a / b; }
 
 // The inputs rounded for the integer dot: per token and group, 32 int8 values, their float scale, their
-// integer sum and the exact sum of the inputs. A prefill step rounds ~3,300 inputs per token and layer;
-// one by one on one thread, that was ~6% of the int linears' time at 64-512 tokens, so groups are
-// rounded a vector at a time, on all threads when there are many.
+// integer sum and the exact sum of the inputs. A prefill step rounds thousands of inputs per token and
+// layer; one by one on one thread, that was a measurable share of the int linears' time at 64-512 tokens
+// (docs/PERFORMANCE.md, "Numbers behind the code's comments"), so groups are rounded a vector at a time,
+// on all threads when there are many.
 struct QuantizedInputs {
   int64_t groups;
   std::vector<int8_t> values;       // [tokens, K]

@@ -1,4 +1,4 @@
-"""engine/memory.py's malloc settings, each in a fresh process (they are process-wide)."""
+"""engine/malloc_tuning.py's malloc settings, each in a fresh process (they are process-wide)."""
 
 import subprocess
 import sys
@@ -8,10 +8,10 @@ import pytest
 # Allocates, touches and frees an 8 MiB buffer twice; prints how much of it stayed resident (MiB).
 _PROBE = """
 import ctypes, sys
-from tinyserve.engine import memory
+from tinyserve.engine import malloc_tuning
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
-assert getattr(memory, sys.argv[1])()
+assert getattr(malloc_tuning, sys.argv[1])()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 before = rss()

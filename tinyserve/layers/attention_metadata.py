@@ -1,0 +1,136 @@
+"""What one step's attention needs to know, built once by the model runner before the forward and read
+by every layer: where the new tokens' K/V go, what each sequence attends to, and how its decodes are
+attended (the decode plan). No layer changes it.
+
+The decode plan: with our C++ kernel (`decode_kernel`, where ops.decode_kernel_applies), one call per
+layer for all decodes; otherwise decodes are attended in a few batched torch calls over groups of
+similar length (`decode_groups`), whose gather rows, masks and value bags are computed here, once per
+step, not once per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.layers.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences start..end-1, attended in one batched call padded to their longest."""
+
+    start: int
+    end: int
+    rows: torch.Tensor  # [kv_heads * num_seqs * width_blocks] rows of the pool to gather
+    bias: torch.Tensor  # [num_seqs, 1, width_blocks * block_size] float32: 0, or -inf past a sequence's end
+    # token rows of the value pool for each (kv head, sequence, query head of the group), one bag each,
+    # and where each bag starts: [kv_heads * num_seqs * group * width_blocks * block_size], [bags]
+    value_bags: torch.Tensor
+    value_bag_offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the KV pool and what each sequence attends to. Sequences come
+    ordered decodes first (one query token each, longest context first), then prefill chunks."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64; rows padded with block 0 past seq_lens
+    seq_lens: torch.Tensor  # [num_seqs] int64 on device: cached + new tokens of each sequence
+    seq_lens_host: list[int]  # the same on the host, for control flow without a device sync
+    query_lens_host: list[int]  # new tokens of each sequence this step; the first num_decodes are 1
+    num_decodes: int  # leading sequences with exactly one query token
+    block_size: int
+    decode_kernel: bool  # decodes go to our C++ kernel (ops.paged_decode_attention)
+    decode_groups: tuple[DecodeGroup, ...]  # otherwise, these; empty with the kernel or without decodes
+    # The pools this step reads and writes, one per attention layer. They travel with the step, not in
+    # the model's modules: a loaded model holds no engine state, so engines (and their threads) may share it.
+    kv_caches: tuple[KVCache, ...]
+
+    @classmethod
+    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], seq_lens: list[int],
+              query_lens: list[int], *, block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int,
+              device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache]) -> AttentionMetadata:
+        """From host lists, sequences ordered decodes first. One host-to-device copy per tensor."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        slots = torch.tensor(slot_mapping, dtype=torch.int64)
+        check_tables(slots, tables, [len(t) for t in block_tables], seq_lens, query_lens, block_size, num_blocks)
+        tables = tables.to(device)
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        groups = () if decode_kernel else tuple(
+            _decode_group(start, end, tables, seq_lens, num_heads, num_kv_heads, num_blocks, block_size)
+            for start, end in decode_group_bounds(seq_lens[:num_decodes]))
+        return cls(
+            slot_mapping=slots.to(device),
+            block_tables=tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
+            decode_kernel=decode_kernel, decode_groups=groups, kv_caches=tuple(kv_caches),
+        )
+
+
+def check_tables(slot_mapping: torch.Tensor, block_tables: torch.Tensor, table_lens: list[int], seq_lens: list[int],
+                 query_lens: list[int], block_size: int, num_blocks: int) -> None:
+    """Raise RuntimeError unless every block id and slot lies in the pool and every sequence fits its table
+    (slot_mapping and the padded block_tables as cpu int64 tensors, before they go to the device). The pool
+    is indexed with these: on CPU the C++ kernel checks them too, but on CUDA an index out of range is a
+    device-side assert that ends the process, and a negative block id would silently read another head's
+    block in the torch-op decode path. Once per step, not per layer."""
+    for i, (num_table_blocks, seq_len, query_len) in enumerate(zip(table_lens, seq_lens, query_lens, strict=True)):
+        if not 1 <= query_len <= seq_len <= num_table_blocks * block_size:
+            raise RuntimeError(f"sequence {i}: {query_len} new of {seq_len} tokens do not fit its block table of "
+                               f"{num_table_blocks} blocks of {block_size} (a scheduler bug)")
+    for name, ids, size in (("block_tables", block_tables, num_blocks), ("slot_mapping", slot_mapping,
+                                                                         num_blocks * block_size)):
+        if ids.numel() and not (0 <= ids.min().item() and ids.max().item() < size):  # table padding is block 0
+            raise RuntimeError(f"{name} holds values outside the pool [0, {size}) (a scheduler bug)")
+
+
+# A decode group below this many sequences does not pay for its own ops (docs/PERFORMANCE.md, "Numbers
+# behind the code's comments").
+MIN_DECODE_GROUP = 16
+MAX_DECODE_GROUPS = 4
+
+
+def decode_group_bounds(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """Split decode sequences, already sorted longest first, into up to MAX_DECODE_GROUPS runs of equal
+    count. Padding each run only to its own longest sequence, instead of all to the longest of the step,
+    cuts the gathered and multiplied KV of uniformly spread lengths from ~2x the real amount to ~1.1x."""
+    count = len(seq_lens)
+    groups = max(1, min(MAX_DECODE_GROUPS, count // MIN_DECODE_GROUP))
+    cuts = [count * g // groups for g in range(groups + 1)]
+    return [(cuts[g], cuts[g + 1]) for g in range(groups) if cuts[g] < cuts[g + 1]]
+
+
+def decode_gather_plan(block_tables: torch.Tensor, seq_lens: list[int], num_kv_heads: int, num_blocks: int,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool rows to gather, additive mask) for decode sequences whose tables are `block_tables`.
+    Row r of the pool viewed as [kv_heads * num_blocks, block_size * head_dim] is block r % num_blocks
+    of kv head r // num_blocks."""
+    num_seqs = block_tables.shape[0]
+    width = -(-max(seq_lens) // block_size)
+    tables = block_tables[:, :width]
+    heads = torch.arange(num_kv_heads, device=tables.device).view(-1, 1, 1) * num_blocks
+    rows = (heads + tables.unsqueeze(0)).reshape(-1)  # [kv_heads * num_seqs * width]
+    lens = torch.tensor(seq_lens, device=tables.device).view(num_seqs, 1, 1)
+    positions = torch.arange(width * block_size, device=tables.device).view(1, 1, -1)
+    bias = torch.zeros(num_seqs, 1, width * block_size, device=tables.device)
+    return rows, bias.masked_fill_(positions >= lens, float("-inf"))
+
+
+def _decode_group(start: int, end: int, block_tables: torch.Tensor, seq_lens: list[int], num_heads: int,
+                  num_kv_heads: int, num_blocks: int, block_size: int) -> DecodeGroup:
+    rows, bias = decode_gather_plan(block_tables[start:end], seq_lens[start:end], num_kv_heads, num_blocks,
+                                    block_size)
+    # probs x V is a weighted sum of the value pool's token rows (embedding_bag): one bag per (kv head,
+    # sequence, query head of the kv head's group), holding the group's gathered token rows
+    num_seqs, group, width = end - start, num_heads // num_kv_heads, bias.shape[-1]
+    tokens = (rows.view(-1, 1) * block_size + torch.arange(block_size, device=rows.device)).view(
+        num_kv_heads, num_seqs, 1, width)
+    bags = tokens.expand(num_kv_heads, num_seqs, group, width).reshape(-1)
+    offsets = torch.arange(0, bags.numel(), width, device=rows.device)
+    return DecodeGroup(start, end, rows, bias, bags, offsets)

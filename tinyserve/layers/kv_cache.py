@@ -1,0 +1,47 @@
+"""The KV pool: one key and one value tensor per attention layer, allocated once at start-up and never
+reallocated; a sequence's tokens live in the blocks its block table names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    """One layer's pool. Heads lead so that one sequence's gathered blocks are already [kv_heads, tokens,
+    head_dim], the layout matmuls want. Owned by whoever allocated it (the model runner, or the reference
+    loop for its own run) and handed to the layers with each step's AttentionMetadata; an attention layer
+    only reads and writes it."""
+
+    key: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+    value: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[KVCache]:
+    """One zero-filled pool per layer."""
+    shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    return [
+        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    cache.key.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    cache.value.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+
+def gather_kv(cache: KVCache, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first seq_len cached K and V, each [num_kv_heads, seq_len, head_dim]."""
+    num_kv_heads, _, block_size, head_dim = cache.key.shape
+    blocks = block_table[: -(-seq_len // block_size)]
+    k = cache.key[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    v = cache.value[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    return k, v

@@ -1,0 +1,131 @@
+"""The backend seam: each op the layers and models compute, done by our C++ CPU kernel where one applies
+and by its torch formula elsewhere. The only module that imports cpu_kernels, so that layer and model code
+read as the math (`ops.add_rms_norm(x, residual, weight, eps)`, `ops.linear(x, weight_format, bias)`)
+and another device's kernels would plug in here.
+
+Where the kernels apply: on CPU, in float32 and bfloat16, once built (`kernel_takes`); CUDA, float16 or a
+failed build take the torch formulas. In bfloat16 the elementwise kernels round where the formulas round,
+so both paths give the same values (tests/test_cpu_kernels.py); in float32 they differ by summation order.
+Two choices are made once rather than per call: a linear's weight format at load time (layers/linear.py;
+a format other than DenseWeight exists only where its kernel does), and decode attention's path per step
+by the model runner (`decode_kernel_applies`, carried in AttentionMetadata).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tinyserve.layers import cpu_kernels
+from tinyserve.layers.kv_cache import KVCache
+from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
+
+
+def has_cpu_kernels() -> bool:
+    """Whether our kernels are built here (the first call builds or loads them)."""
+    return cpu_kernels.load() is not None
+
+
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the elementwise kernels take this tensor: on CPU, in a dtype they are compiled for, and built."""
+    return x.device.type == "cpu" and x.dtype in cpu_kernels.KERNEL_DTYPES and cpu_kernels.load() is not None
+
+
+def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode attention for this model runs in our kernel: CPU, a compiled dtype and head size,
+    and a successful build. Asked once, by the model runner, at start-up (which builds the kernels then,
+    not in the first timed step)."""
+    return (device.type == "cpu" and dtype in cpu_kernels.KERNEL_DTYPES and head_dim in cpu_kernels.DECODE_HEAD_DIMS
+            and cpu_kernels.load() is not None)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch formula (Hugging Face's): the path off the kernels, and their yardstick."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _norm_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return kernel_takes(x) and x.is_contiguous() and weight.dtype == x.dtype
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, the statistics in float32 whatever x's dtype."""
+    if _norm_kernel_takes(x, weight):
+        return cpu_kernels.rms_norm(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm decoder's residual add fused into the norm
+    after it. The sum may be written into residual's memory (the kernel does, in place)."""
+    if _norm_kernel_takes(x, weight):
+        return cpu_kernels.add_rms_norm(x, residual, weight, eps), residual
+    residual = x + residual
+    return torch_rms_norm(residual, weight, eps), residual
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused gate_up projection: [..., 2 * d] -> silu(gate) * up, [..., d]."""
+    if kernel_takes(x) and x.is_contiguous():
+        return cpu_kernels.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's gelu_new: the tanh approximation of GELU."""
+    return F.gelu(x, approximate="tanh")
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] rotated by position (HF's "rotate half" layout, its sign folded into
+    sin: layers/rotary.py), cos/sin [num_tokens, 1, head_dim]. x may be a view into the fused qkv output
+    (rows strided, each head's dims contiguous), which the kernel reads in place."""
+    if kernel_takes(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return cpu_kernels.rotary(x, cos, sin)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [tokens, in] times the weight in whichever format it was given at load -> [tokens, out]."""
+    match weight:
+        case DenseWeight():
+            return F.linear(x, weight.weight, bias)
+        case OneDnnWeight():
+            return torch.ops.mkldnn._linear_pointwise(x, weight.blocked, bias, "none", [], "")
+        case Bf16Weight():
+            out = cpu_kernels.bf16_matmul(x, weight.interleaved, weight.out_features)
+        case Int4Weight():
+            out = cpu_kernels.int4_matmul(x, weight.codes, weight.scales, weight.minimums, weight.out_features)
+        case Int8Weight():
+            out = cpu_kernels.int8_matmul(x, weight.codes, weight.scales, weight.out_features)
+        case _:
+            raise TypeError(f"no linear for a {type(weight).__name__}")
+    return out if bias is None else out + bias
+
+
+def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight) -> torch.Tensor:
+    """Rows `ids` of the matrix: [n] -> [n, dim]; from int8 codes as float32 (the caller casts)."""
+    match weight:
+        case DenseWeight():
+            return F.embedding(ids, weight.weight)
+        case Int8Weight():
+            return weight.rows(ids)
+        case _:
+            raise TypeError(f"no embedding lookup for a {type(weight).__name__}")
+
+
+def paged_decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode attention in our kernel (where decode_kernel_applies): q [num_seqs, heads, head_dim], one
+    token each; block_tables [num_seqs, width], seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
+    The kernel walks each block table and reads K and V in place."""
+    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale)

@@ -1,0 +1,62 @@
+"""The formats a linear's matrix can be held in; each Linear holds exactly one, chosen at load time
+(layers/linear.py), and ops.linear multiplies by it.
+
+- DenseWeight: the plain [out, in] matrix for F.linear: float32 (the exact reference), and every dtype
+  and device off our kernels.
+- Bf16Weight: bfloat16 on CPU where our kernels are built: csrc/bf16_matmul.cpp reads weights
+  interleaved by 16 rows, one per vector lane, faster than oneDNN at a few tokens per step and even
+  with it for batches (docs/PERFORMANCE.md, "bfloat16 linears in our own kernel").
+- OneDnnWeight: bfloat16 on CPU without our kernels: `F.linear` would reach oneDNN with the plain
+  matrix, which it converts to its blocked layout on every call, so it gets the blocked one once (what
+  inductor's freezing pass does; docs/PERFORMANCE.md, "Changes, each measured before and after").
+- Int8Weight, Int4Weight (layers/quant.py): weight-only quantization, in our int kernels' layout.
+
+Whatever the format, the plain copy is dropped once it is repacked: weights live once, in the layout
+their kernel reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.layers.quant import Int4Weight, Int8Weight, kernel_layout
+
+# Tokens per step oneDNN's blocked layout is tuned for; near the best at every step size measured
+# (docs/PERFORMANCE.md, "Changes, each measured before and after").
+PACK_BATCH_HINT = 64
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    weight: torch.Tensor  # [out, in]: the module's own parameter, as loaded
+
+
+@dataclass(frozen=True)
+class OneDnnWeight:
+    blocked: torch.Tensor  # oneDNN's opaque blocked layout of a bfloat16 [out, in] matrix
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> OneDnnWeight:
+        return cls(torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT))
+
+
+@dataclass(frozen=True)
+class Bf16Weight:
+    """Blocks of 16 rows (zero rows pad the last); per block and pair of inputs, the 16 rows' two weights
+    side by side (csrc/bf16_matmul.cpp)."""
+
+    interleaved: torch.Tensor  # [blocks, in * 16] bfloat16
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Bf16Weight:
+        # the int kernels' interleaving, with one group per row and 4 bytes = 2 weights per lane
+        out_features, in_features = weight.shape
+        pairs = weight.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(out_features, 1, in_features // 2, 4)
+        interleaved, _ = kernel_layout(pairs, [])
+        return cls(interleaved.view(torch.bfloat16), out_features)
+
+
+LinearWeight = DenseWeight | OneDnnWeight | Bf16Weight | Int8Weight | Int4Weight
