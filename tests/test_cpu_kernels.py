@@ -127,3 +127,32 @@ def test_matmuls_refuse_sizes_their_row_blocks_cannot_cover():
         cpu_kernels.int4_matmul(x, codes, scales, scales.clone(), 0)
     with pytest.raises(RuntimeError, match="2-d"):
         cpu_kernels.int8_matmul(x, codes.view(-1), scales, 16)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_token_bitmask_forbids_exactly_the_cleared_bits(monkeypatch, use_kernel):
+    """Rows 0 and 2 of 4 masked, a vocabulary that is not a multiple of 32, words all clear, all set and
+    mixed: -inf exactly where a bit is 0, every other logit untouched (row 1 and 3 wholly)."""
+    if not use_kernel:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    vocab, gen = 100, torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen)
+    allowed = torch.rand(2, 128, generator=gen) < 0.3
+    allowed[0, :32] = False  # a word of zeros
+    allowed[1, 32:64] = True  # a word of ones
+    bits = (allowed.view(2, 4, 32).long() << torch.arange(32)).sum(-1)  # [2, 4] words as int64
+    bitmask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    out = logits.clone()
+    ops.apply_token_bitmask(out, bitmask, torch.tensor([0, 2]))
+    expected = logits.clone()
+    expected[0, ~allowed[0, :vocab]] = float("-inf")
+    expected[2, ~allowed[1, :vocab]] = float("-inf")
+    assert torch.equal(out, expected)
+
+
+def test_token_bitmask_refuses_rows_outside_the_batch_and_short_masks():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        cpu_kernels.apply_token_bitmask(logits, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="too few"):
+        cpu_kernels.apply_token_bitmask(logits, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]))

@@ -43,6 +43,32 @@ def _check_range(name: str, value: float, low: float, high: float, *, low_open: 
         raise InvalidRequest(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
 
 
+# A grammar's text is compiled (and its compiled form cached) before the request runs; the cap bounds
+# that work and the cache's memory per entry.
+MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to a language: a JSON schema (as JSON text; '{"type": "object"}' is OpenAI's
+    json_object), a regex, a choice of strings (a JSON list), or a grammar (GBNF as llama.cpp writes it,
+    or Lark). Only the text: engine/structured_output.py compiles it into the token masks."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise InvalidRequest(f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                                 f"got {self.kind!r}", param="structured_output")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise InvalidRequest(f"the {self.kind} must be a non-empty string", param="structured_output")
+        if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise InvalidRequest(f"the {self.kind} must be at most {MAX_STRUCTURED_OUTPUT_CHARS} characters, "
+                                 f"got {len(self.spec)}", param="structured_output")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated on construction (ValueError names the field)."""
@@ -64,6 +90,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob and the top k
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # every token is drawn from the grammar's allowed set
     # derived once here, so that per-token work is a set lookup and a list extend
     stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)
     logit_bias_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.request_stream import RequestStream
 from tinyserve.engine.stats import EngineStats, LoopStats
-from tinyserve.types import FinishReason, RequestOutput, SamplingParams
+from tinyserve.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,11 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine's checks (InvalidRequest); they read config only, so any thread may run them."""
         self.engine.validate(prompt_token_ids, params)
+
+    async def compile_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile (and cache) a grammar on a worker thread, so that the event loop and the engine thread
+        never wait for it; InvalidRequest if it cannot be compiled."""
+        await asyncio.to_thread(self.engine.structured_outputs.compile, spec)
 
     def _close_stream(self, request_id: str, finished: bool) -> None:
         with self._streams_lock:

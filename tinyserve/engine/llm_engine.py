@@ -34,6 +34,7 @@ from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.stats import EngineStats
+from tinyserve.engine.structured_output import StructuredOutputs
 from tinyserve.loader.model_loader import LoadedModel, load_model
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import FinishReason, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
@@ -65,7 +66,10 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         if device.type == "cpu":
             keep_freed_host_memory()
-        self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
+                                                    loaded.config.eos_token_ids)
+        self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
+                                  fill_bitmask=self.structured_outputs.fill_bitmask)
         self.outputs = OutputProcessor(self.tokenizer)
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its unfinished samples' group
         self.num_steps = 0
@@ -96,6 +100,8 @@ class LLMEngine:
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        if params.structured_output is not None:  # compiled once and cached: the server compiled it already
+            self.structured_outputs.compile(params.structured_output)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
@@ -125,6 +131,8 @@ class LLMEngine:
                 eos_token_ids=frozenset(self.model_config.eos_token_ids),
                 max_total_tokens=self.max_model_len, cache_salt=cache_salt,
             )
+            if params.structured_output is not None:
+                request.matcher = self.structured_outputs.matcher(params.structured_output)
             self.scheduler.add_request(request)  # the first one raises if the prompt cannot fit the pool
             self.outputs.add(request)
             samples.append(request)
@@ -170,6 +178,8 @@ class LLMEngine:
         ends: list[tuple[Request, FinishReason | None, str | None]] = [
             (request, FinishReason.LENGTH, None) for request in plan.outgrown]
         for request, reason in self.scheduler.update(plan, result.sampled):
+            if request.matcher is not None and reason is not FinishReason.ERROR:
+                reason = self._advance_matcher(request, reason)
             ends.append(self._detokenize(request, reason))
         outputs = []
         for request, reason, text in ends:
@@ -185,6 +195,19 @@ class LLMEngine:
         result = self.runner.execute(plan.scheduled)
         self.num_steps += 1
         return result
+
+    @staticmethod
+    def _advance_matcher(request: Request, reason: FinishReason | None) -> FinishReason | None:
+        """Feed the new token to the request's grammar. Its language complete (nothing but EOS may follow),
+        the request ends with STOP at once; a token the grammar refuses (only a bug lets one through the
+        mask) fails it."""
+        if not request.matcher.consume_token(request.output_token_ids[-1]):
+            logger.error("%s: the grammar refused token %d: %s", request, request.output_token_ids[-1],
+                         request.matcher.get_error())
+            return FinishReason.ERROR
+        if reason is None and request.matcher.is_stopped():
+            return FinishReason.STOP
+        return reason
 
     def _detokenize(self, request: Request,
                     reason: FinishReason | None) -> tuple[Request, FinishReason | None, str | None]:
@@ -206,6 +229,7 @@ class LLMEngine:
         request.finish_reason = reason
         request.finished_time = time.monotonic()
         request.generator = None
+        request.matcher = None
         if reason is FinishReason.ERROR:
             self.num_failed_requests += 1
         group = self._groups.get(request.request_id)

@@ -8,18 +8,24 @@ completely here, before the forward; the layers only read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tinyserve.engine.request import Request
-from tinyserve.engine.sampler import Sampler
+from tinyserve.engine.sampler import Sampler, TokenMasks
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import allocate_kv_cache
 from tinyserve.layers.ops import decode_kernel_applies
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import TokenLogprob
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -46,13 +52,18 @@ def _batch_order(request: Request, num_new: int) -> tuple[bool, int]:
 class ModelRunner:
     """Owns the model, the KV pool (allocated here once) and the sampler."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0,
+                 fill_bitmask: Callable[[list[LLMatcher]], torch.Tensor] | None = None):
         self.device, self.dtype = device_and_dtype(model)
         self.model = model
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
         self.sampler = Sampler(seed)
+        # constrained sequences' token masks (StructuredOutputs.fill_bitmask), computed on a worker thread
+        # while the forward runs: each depends only on the tokens its sequence already has
+        self._fill_bitmask = fill_bitmask
+        self._mask_worker: ThreadPoolExecutor | None = None
         # The decode plan's kernel-or-torch choice, made once; the kernels build (or load) here, at
         # start-up, not in the first timed step.
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
@@ -61,14 +72,23 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
         """scheduled[i] = (request, new tokens this step), its block table covering all its tokens."""
         batch = self._prepare(scheduled)
+        requests = batch.sampled_requests
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        pending_masks = self._start_masks([requests[i].matcher for i in constrained]) if constrained else None
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
-        if not batch.sampled_requests:
+        if not requests:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
-        requests = batch.sampled_requests
-        out = self.sampler(logits, requests)
+        masks = TokenMasks(pending_masks.result(), constrained) if pending_masks is not None else None
+        out = self.sampler(logits, requests, masks)
         logprobs = {r: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
         return StepResult(dict(zip(requests, out.next_token_ids)), logprobs)
+
+    def _start_masks(self, matchers: list[LLMatcher]) -> Future[torch.Tensor]:
+        assert self._fill_bitmask is not None, "a constrained request in an engine without structured outputs"
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-masks")
+        return self._mask_worker.submit(self._fill_bitmask, matchers)
 
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Batch:
         order = sorted(range(len(scheduled)), key=lambda i: _batch_order(*scheduled[i]))

@@ -3,9 +3,10 @@
 Identity is structured: a user request id, the index of its prompt (a completion may carry several) and
 the index of the sample (n > 1). Nothing is keyed by a string built from them; the engine's components
 hold Request objects (compared by identity), and each piece of per-sequence state lives on the Request
-itself: the block table and its hashes (BlockManager), the seeded generator (Sampler), the incremental
-detokenizer (LLMEngine), the timings. `LLMEngine` owns every unfinished Request through its RequestGroup
-and ends each one in one place (`LLMEngine._finish`), which drops all of that state at once.
+itself: the block table and its hashes (BlockManager), the seeded generator (Sampler), the grammar
+matcher (engine/structured_output.py), the incremental detokenizer (LLMEngine), the timings. `LLMEngine`
+owns every unfinished Request through its RequestGroup and ends each one in one place
+(`LLMEngine._release`), which drops all of that state at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tinyserve.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
     from tinyserve.engine.detokenizer import IncrementalDetokenizer
 
@@ -66,6 +68,8 @@ class Request:
     num_hashed_blocks: int = 0  # leading table blocks already offered to the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, memoized
     generator: torch.Generator | None = None  # a seeded request's own generator (Sampler), made on first draw
+    # with a structured output: follows its output tokens and says which tokens may come next
+    matcher: LLMatcher | None = None
     detokenizer: IncrementalDetokenizer | None = None
     add_order: int = 0  # set by the scheduler: breaks arrival-time ties
 

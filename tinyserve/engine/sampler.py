@@ -15,11 +15,28 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.engine.request import Request
+from tinyserve.layers import ops
 from tinyserve.types import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
 # odd 64-bit constant mixed into the seed of sample i > 0 of a seeded n > 1 request: siblings must differ
 _SIBLING_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class TokenMasks:
+    """The step's grammar masks: bitmask row i (one bit per token, 32 to an int32 word) says which tokens
+    batch row rows[i] may draw."""
+
+    bitmask: torch.Tensor  # [num_constrained, words] int32
+    rows: list[int]
+
+    def applied_to(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of logits [batch, vocab] with -inf on every forbidden token."""
+        masked = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        rows = torch.tensor(self.rows, dtype=torch.int64)
+        ops.apply_token_bitmask(masked, self.bitmask, rows)
+        return masked
 
 
 @dataclass
@@ -38,16 +55,19 @@ class Sampler:
         self.seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 token_masks: TokenMasks | None = None) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (
             f"logits {tuple(logits.shape)} for {len(requests)} requests"
         )
+        # constrained rows draw from the grammar's allowed tokens; logprobs still come from the raw logits
+        draw_from = logits if token_masks is None else token_masks.applied_to(logits)
         if all(_is_plain_greedy(r) for r in requests):
             # the fast path. The float32 cast is exact and pays for itself: argmax over bfloat16 rows
             # is slower than cast + argmax on CPU (docs/PERFORMANCE.md, "Numbers behind the code's comments")
-            next_token_ids = logits.float().argmax(dim=-1)  # [batch]
+            next_token_ids = draw_from.float().argmax(dim=-1)  # [batch]
         else:
-            next_token_ids = self._sample(logits.float(), requests)
+            next_token_ids = self._sample(draw_from.float(), requests)
         return _to_output(logits, next_token_ids, requests)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp",
-                                           "quantized_matmul.cpp", "bf16_matmul.cpp")]
+                                           "quantized_matmul.cpp", "bf16_matmul.cpp", "token_bitmask.cpp")]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -129,3 +129,8 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [tokens, in] bfloat16 times a bfloat16 weight in layers/linear.py's interleaved layout -> [tokens, out]."""
     return _named("tinyserve::bf16_matmul", load().bf16_matmul, x, weight, out_features)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: -inf on logits[rows[i], t] wherever bit t of bitmask[i] is 0 (32 tokens per int32 word)."""
+    _named("tinyserve::apply_token_bitmask", load().apply_token_bitmask, logits, bitmask, rows)

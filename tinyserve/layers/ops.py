@@ -129,3 +129,16 @@ def paged_decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.
     token each; block_tables [num_seqs, width], seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
     The kernel walks each block table and reads K and V in place."""
     return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place on [batch, vocab] float32 logits: -inf on logits[rows[i], t] wherever bit t % 32 of word
+    t // 32 of bitmask[i] ([num_masked, words] int32, a grammar library's token bitmask) is 0."""
+    if logits.device.type == "cpu" and logits.is_contiguous() and cpu_kernels.load() is not None:
+        cpu_kernels.apply_token_bitmask(logits, bitmask.contiguous(), rows)
+        return
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    allowed = allowed.to(logits.device)
+    rows = rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -226,6 +226,10 @@ class Tokenizer:
             return bytes(_CHAR_TO_BYTE[char] for char in spelling)
         return text.encode("utf-8")
 
+    def backend_json(self) -> str:
+        """The Hugging Face `tokenizers` definition as JSON (what a grammar library reads the vocabulary from)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. "<|im_start|>") always become their ids; add_special_tokens
         only controls whether bos/eos are added around it."""

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (check_model, encode_chat, parse_body, require_api_key, server_state,
-                                     validate_prompt)
+from tinyserve.server.intake import (check_model, compile_structured_output, encode_chat, parse_body,
+                                     require_api_key, server_state, validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs
 from tinyserve.server.protocol import ChatCompletionRequest, limits_context
 from tinyserve.server.responses import ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse
@@ -28,6 +28,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
     check_model(state, body.model)
     params = body.to_sampling_params()
+    await compile_structured_output(engine, params, body.structured_output_param())
     messages = [m.as_template_message() for m in body.messages]
     prompt_ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

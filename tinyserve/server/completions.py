@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (check_model, encode_prompt, parse_body, require_api_key, server_state,
-                                     validate_prompt)
+from tinyserve.server.intake import (check_model, compile_structured_output, encode_prompt, parse_body,
+                                     require_api_key, server_state, validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, completion_logprobs
 from tinyserve.server.protocol import CompletionRequest, limits_context
 from tinyserve.server.responses import (CompletionChoice, CompletionChunk, CompletionResponse,
@@ -29,6 +29,7 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest, limits_context(state.config))
     check_model(state, body.model)
     params = body.to_sampling_params()
+    await compile_structured_output(engine, params, body.structured_output_param())
     prompts = [p if isinstance(p, list) else await encode_prompt(state, engine, p) for p in body.prompt]
     for ids in prompts:
         validate_prompt(engine, ids, params, "prompt")

@@ -128,3 +128,13 @@ def validate_prompt(engine: AsyncEngine, prompt_ids: list[int], params: Sampling
     except InvalidRequest as exc:
         named = {"prompt": param, "max_tokens": max_tokens_param}.get(exc.param, exc.param)
         raise BadRequest(exc.message, param=named, code=exc.code) from None
+
+
+async def compile_structured_output(engine: AsyncEngine, params: SamplingParams, param: str | None) -> None:
+    """A grammar that cannot compile is a 400 naming the field it came from (`param`), before queueing."""
+    if params.structured_output is None:
+        return
+    try:
+        await engine.compile_structured_output(params.structured_output)
+    except InvalidRequest as exc:
+        raise BadRequest(f"{param}: {exc.message}", param=param, code=exc.code) from None

@@ -4,8 +4,8 @@ Decisions (the malformed-input tests assert them):
 - Types are strict: "0.5" is not a number, true is not an integer, 1.0 is not an integer.
 - Unknown fields are accepted and ignored, as OpenAI's own SDKs and vLLM tolerate them (clients send
   newer fields such as `store` or `metadata`); fields we know but cannot honour, and that would change
-  what the client gets (`echo`, `suffix`, `best_of` != n, `tools`, `functions`, a non-text
-  `response_format`, non-text content parts), are a 400 naming the field.
+  what the client gets (`echo`, `suffix`, `best_of` != n, `tools`, `functions`, non-text content
+  parts), are a 400 naming the field. Structured-output fields: server/constraints.py.
 - Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
 - Sizes are capped before any per-item work: prompts per completion and messages per chat come from the
   server's config, passed as the validation context (`limits_context`), and are checked before pydantic
@@ -19,8 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tinyserve.config import ServerConfig
+from tinyserve.server.constraints import ResponseFormat, StructuredOutputsField, structured_output_of
 from tinyserve.server.errors import BadRequest
-from tinyserve.types import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams
+from tinyserve.types import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams,
+                             StructuredOutput)
 
 MAX_PRIORITY = 1000  # client priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]; the server's own probes run below
 MAX_CACHE_SALT_CHARS = 256
@@ -77,6 +79,16 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks (tenants)
+    # structured output, as each family of clients spells it (server/constraints.py): at most one
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None
+    grammar: Any = None
+    json_schema: Any = None
 
     @field_validator("priority")
     @classmethod
@@ -103,7 +115,16 @@ class _SamplingFields(_Strict):
             return value
         raise ValueError("must be a string or a list of strings")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The structured output asked for, and the field that asked (the param of its compile errors)."""
+        return structured_output_of(self)
+
+    def structured_output_param(self) -> str | None:
+        structured = self.structured_output()
+        return structured and structured[1]
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """Raises BadRequest naming the field (as the client spelled it, via `renames`)."""
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
@@ -124,7 +145,7 @@ class _SamplingFields(_Strict):
             n=self.n, top_k=None if self.top_k in (-1, 0) else self.top_k, logit_bias=logit_bias or None,
             seed=self.seed, stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            logprobs=logprobs,
+            logprobs=logprobs, structured_output=structured,
         )
         try:
             return SamplingParams(max_tokens=max_tokens, **fields)
@@ -173,7 +194,8 @@ class CompletionRequest(_SamplingFields):
             raise BadRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest(f"best_of must equal n ({self.n}) or be left out, got {self.best_of}", param="best_of")
-        return self.sampling_params(self.max_tokens, self.logprobs, {})
+        structured = self.structured_output()
+        return self.sampling_params(self.max_tokens, self.logprobs, {}, structured and structured[0])
 
 
 class ChatMessage(_Strict):
@@ -221,7 +243,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -240,8 +261,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise BadRequest(f"{name} (tool calling) is not supported", param=name, code="unsupported_parameter")
         if self.tool_choice not in (None, "none"):
             raise BadRequest("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise BadRequest("response_format: only {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         use_completion = self.max_completion_tokens is not None
@@ -250,7 +269,8 @@ class ChatCompletionRequest(_SamplingFields):
         renames = {"logprobs": "top_logprobs"}
         if use_completion:
             renames["max_tokens"] = "max_completion_tokens"
-        return self.sampling_params(max_tokens, logprobs, renames)
+        structured = self.structured_output()
+        return self.sampling_params(max_tokens, logprobs, renames, structured and structured[0])
 
 
 

@@ -13,6 +13,7 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           int64_t out_features);
+void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "x times an int4 weight (groups of 32, float16 scale and minimum)");
   m.def("bf16_matmul", &bf16_matmul, "x times a bfloat16 weight interleaved by 16 rows");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }
