@@ -171,10 +171,10 @@ class _LogitsRecorder:
         # (request id, sample index) -> one [vocab] row per sampled token
         self.rows: dict[tuple[str, int], list[torch.Tensor]] = {}
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, token_masks=None):
         for row, request in zip(logits, requests):
             self.rows.setdefault((request.request_id, request.index), []).append(row.float().clone())
-        return self.sampler(logits, requests)
+        return self.sampler(logits, requests, token_masks)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

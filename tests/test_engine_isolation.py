@@ -100,11 +100,11 @@ class FailingSampler:
     def __init__(self, sampler, failing_call: int):
         self.sampler, self.failing_call, self.calls = sampler, failing_call, []
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, token_masks=None):
         self.calls.append({(r.request_id, r.index) for r in requests})
         if len(self.calls) - 1 == self.failing_call:
             raise RuntimeError("injected sampler fault")
-        return self.sampler(logits, requests)
+        return self.sampler(logits, requests, token_masks)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

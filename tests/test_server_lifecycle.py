@@ -210,3 +210,12 @@ def test_the_limit_flags_reach_the_server_config():
     assert (config.max_connections, config.keep_alive_timeout) == (100, 2.0)
     defaults = _config()
     assert not defaults.allow_special_tokens_in_messages and defaults.max_prompts_per_request == 64
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
+def test_every_command_prints_its_help(command, capsys):
+    """argparse %-formats help strings: one stray "%" in a default's text crashes --help."""
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "--help"])
+    assert done.value.code == 0
+    assert "usage: tinyserve" in capsys.readouterr().out

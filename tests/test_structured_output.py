@@ -10,7 +10,7 @@ import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.structured_output import _closed_objects
+from tinyserve.engine.structured_output import closed_objects
 from tinyserve.types import FinishReason, InvalidRequest, SamplingParams, StructuredOutput
 
 DATE = StructuredOutput("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
@@ -68,7 +68,7 @@ def test_objects_with_properties_admit_no_others_unless_they_say_so():
         "list": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
         "any": {"type": "object"}},
         "$defs": {"d": {"anyOf": [{"type": "object", "properties": {"z": {}}}]}}}
-    closed = _closed_objects(schema)
+    closed = closed_objects(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["properties"]["additionalProperties"] is False
     assert "additionalProperties" not in closed["properties"]  # the name map itself is not a schema

@@ -68,12 +68,12 @@ class Faults:
         faults = self
 
         class FaultySampler:
-            def __call__(self, logits, requests):
+            def __call__(self, logits, requests, token_masks=None):
                 faults._sampler_calls += 1
                 if faults._sampler_calls == 40:
                     faults.num_sampler_errors += 1
                     raise RuntimeError("injected sampler error")
-                return sampler(logits, requests)
+                return sampler(logits, requests, token_masks)
 
             def __getattr__(self, name):  # free() and the rest: the real sampler's
                 return getattr(sampler, name)

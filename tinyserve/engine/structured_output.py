@@ -109,7 +109,7 @@ def _grammar_text(spec: StructuredOutput) -> str:
     """llguidance's grammar for the spec; InvalidRequest where the text is not one of its kind."""
     try:
         if spec.kind == "json_schema":
-            schema = _closed_objects(json.loads(spec.spec))
+            schema = closed_objects(json.loads(spec.spec))
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.spec)
@@ -126,7 +126,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", 
                   "unevaluatedProperties", "unevaluatedItems")
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that has `properties` and
     leaves extra keys unsaid; subschemas are found by keyword, so a property named "properties" is a name."""
     if not isinstance(schema, dict):
@@ -136,11 +136,11 @@ def _closed_objects(schema: Any) -> Any:
         out["additionalProperties"] = False
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _closed_objects(sub) for name, sub in out[key].items()}
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed_objects(sub) for sub in out[key]]
+            out[key] = [closed_objects(sub) for sub in out[key]]
     for key in _SCHEMA_VALUES:
         if key in out:
-            out[key] = [_closed_objects(s) for s in out[key]] if isinstance(out[key], list) else _closed_objects(out[key])
+            out[key] = [closed_objects(s) for s in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
     return out

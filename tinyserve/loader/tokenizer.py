@@ -247,19 +247,25 @@ class Tokenizer:
         """Whether `text` spells a special token, e.g. "<|im_start|>"."""
         return any(special in text for special in self._special_id_of)
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows a `tools` list to the model (Hugging Face's tool-use templates)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_in_content: bool = False
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_in_content: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation (bos, if any, is the template's to write). Special-token text inside
         a message's content ("<|im_end|><|im_start|>system ...") is encoded as plain text, so a user cannot
         forge a turn: only the template's own special tokens become control ids. `allow_special_in_content`
         (trusted clients) parses them everywhere. Without such text the ids are exactly
         encode(apply_chat_template(...), add_special_tokens=False). Raises ValueError as apply_chat_template."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         contents = [m.get("content") for m in messages]
         if allow_special_in_content or not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
             return self.encode(prompt, add_special_tokens=False)
-        return self._encode_pieces(self._template_and_contents(messages, add_generation_prompt, prompt))
+        return self._encode_pieces(self._template_and_contents(messages, add_generation_prompt, prompt, tools))
 
     def _encode_pieces(self, pieces: list[str]) -> list[int]:
         """[template, content, ..., template] -> ids: the template's special tokens become their ids, all else is
@@ -276,7 +282,8 @@ class Tokenizer:
             text.append(piece[start:])
         return ids + self._encode_as_text("".join(text))
 
-    def _template_and_contents(self, messages: list[dict], add_generation_prompt: bool, prompt: str) -> list[str]:
+    def _template_and_contents(self, messages: list[dict], add_generation_prompt: bool, prompt: str,
+                               tools: list[dict] | None = None) -> list[str]:
         """The prompt cut into [template, content, template, ..., template]. Found by rendering each content as a
         random placeholder; the content goes back in as given, or stripped if that is what makes the real
         prompt (templates that `| trim` it). NOTE: a template that transforms content in another way gets it
@@ -284,7 +291,7 @@ class Tokenizer:
         nonce = secrets.token_hex(8)
         masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
-        skeleton = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
+        skeleton = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt, tools=tools)
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)  # odd items: the message index
         as_given = [p if i % 2 == 0 else messages[int(p)]["content"] for i, p in enumerate(parts)]
         stripped = [p if i % 2 == 0 else p.strip() for i, p in enumerate(as_given)]

@@ -14,7 +14,9 @@ from tinyserve.server.intake import (check_model, compile_structured_output, enc
                                      require_api_key, server_state, validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs
 from tinyserve.server.protocol import ChatCompletionRequest, limits_context
-from tinyserve.server.responses import ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse
+from tinyserve.server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse,
+                                        ToolCallDelta, ToolCallOut)
+from tinyserve.server.tools import ToolCallStream, ToolPlan
 from tinyserve.types import RequestOutput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -28,9 +30,14 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
     check_model(state, body.model)
     params = body.to_sampling_params()
+    tools = body.tool_plan()
     await compile_structured_output(engine, params, body.structured_output_param())
-    messages = [m.as_template_message() for m in body.messages]
-    prompt_ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
+    native_tools = engine.tokenizer.template_renders_tools
+    messages = [m.as_template_message(native_tools) for m in body.messages]
+    if tools is not None and not native_tools:
+        messages = tools.with_fallback_prompt(messages)
+    template_tools = tools.template_kwargs()["tools"] if tools is not None and native_tools else None
+    prompt_ids = await encode_chat(state, engine, messages, body.add_generation_prompt, template_tools)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -46,30 +53,47 @@ async def create_chat_completion(request: Request) -> Response:
                                  finish_reason=None)
                  for i in range(len(generation.choices))]  # the role first, as OpenAI does
         chunk = functools.partial(ChatChunk, **head)
-        return EventStreamResponse(event_stream(generation, chunk, include_usage, _choice(texts), roles),
+        streams = [ToolCallStream(tools) for _ in generation.choices] if tools is not None else None
+        return EventStreamResponse(event_stream(generation, chunk, include_usage, _choice(texts, streams), roles),
                                    generation, write_timeout=state.config.stream_write_timeout)
     await run_to_end(generation, request)
-    return JSONResponse(_response(generation, head, texts).dump())
+    return JSONResponse(_response(generation, head, texts, tools).dump())
 
 
-def _choice(texts: TokenTexts | None):
-    """Streaming: one output -> one choice delta."""
+def _choice(texts: TokenTexts | None, streams: list[ToolCallStream] | None):
+    """Streaming: one output -> one choice delta. With tools, `streams[index]` holds back text that may be
+    a call and turns each finished call into a tool_calls delta."""
     def choice(index: int, out: RequestOutput) -> ChatChunkChoice | None:
-        if not out.new_text and not out.finished and not out.logprobs:
-            return None  # the detokenizer is holding text back (partial character or stop-string prefix)
+        text, calls = out.new_text, []
+        if streams is not None:
+            text, calls = streams[index].feed(text)
+            if out.finished:
+                text += streams[index].finish()
+        if not text and not calls and not out.finished and not out.logprobs:
+            return None  # text held back (a partial character, a stop-string prefix, a call being written)
         logprobs = chat_logprobs(texts, out.logprobs) if texts is not None and out.logprobs else None
-        delta = ChatDelta(content=out.new_text) if out.new_text or not out.finished else ChatDelta()
+        delta = ChatDelta(content=text) if text or not out.finished else ChatDelta()
+        if calls:
+            first = streams[index].num_calls - len(calls)
+            delta.tool_calls = [ToolCallDelta(**call.as_openai(first + i)) for i, call in enumerate(calls)]
+            delta.content = text or None
         reason = out.finish_reason.value if out.finished else None
+        if reason == "stop" and streams is not None and streams[index].num_calls:
+            reason = "tool_calls"
         return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
     return choice
 
 
-def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> ChatResponse:
-    choices = [
-        ChatChoice(index=index, message=ChatMessage(content="".join(c.text)),
-                   logprobs=chat_logprobs(texts, c.logprobs) if texts is not None else None,
-                   finish_reason=c.finish_reason)
-        for index, c in enumerate(generation.choices)
-    ]
+def _response(generation: Generation, head: dict, texts: TokenTexts | None, tools: ToolPlan | None) -> ChatResponse:
+    choices = []
+    for index, c in enumerate(generation.choices):
+        message, reason = ChatMessage(content="".join(c.text)), c.finish_reason
+        if tools is not None:
+            content, calls = tools.parse(message.content)
+            if calls:
+                message = ChatMessage(content=content, tool_calls=[ToolCallOut(**call.as_openai()) for call in calls])
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append(ChatChoice(index=index, message=message, finish_reason=reason,
+                                  logprobs=chat_logprobs(texts, c.logprobs) if texts is not None else None))
     return ChatResponse(**head, choices=choices, usage=generation.usage())

@@ -107,13 +107,13 @@ async def encode_prompt(state: ServerState, engine: AsyncEngine, text: str) -> l
 
 
 async def encode_chat(state: ServerState, engine: AsyncEngine, messages: list[dict],
-                      add_generation_prompt: bool) -> list[int]:
+                      add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """The conversation's prompt ids, rendered and encoded in a worker thread. Special-token text in
     content is encoded as text unless the server trusts its clients (allow_special_tokens_in_messages)."""
     check_fits(state, engine, sum(len(m["content"]) for m in messages), "messages")
     trusted = state.config.allow_special_tokens_in_messages
     try:
-        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt, trusted)
+        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt, trusted, tools)
     except ValueError as exc:  # the template's own message, e.g. roles that must alternate
         raise BadRequest(f"messages: {exc}", param="messages") from None
 

@@ -14,6 +14,7 @@ Decisions (the malformed-input tests assert them):
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tinyserve.config import ServerConfig
 from tinyserve.server.constraints import ResponseFormat, StructuredOutputsField, structured_output_of
 from tinyserve.server.errors import BadRequest
+from tinyserve.server.tools import NamedToolChoice, ToolCall, ToolDefinition, ToolPlan
 from tinyserve.types import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams,
                              StructuredOutput)
 
@@ -199,9 +201,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | list[TextPart] | None (assistant only)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     @field_validator("content")
     @classmethod
@@ -220,9 +224,33 @@ class ChatMessage(_Strict):
             return "\n".join(texts)
         raise ValueError("must be a string or a list of text parts")
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, native_tools: bool = False) -> dict:
+        """The message as the chat template reads it. Tool calls and results go to a template that renders
+        tools (`native_tools`) as Hugging Face's tool-use format has them (arguments as objects); to one
+        that does not, as text in the format of tools.FALLBACK_PROMPT."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content or ""}
+        content = self.content or ""
+        if self.role == "tool":
+            if native_tools:
+                return {"role": "tool", "content": content, "tool_call_id": self.tool_call_id}
+            return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        if self.tool_calls:
+            if native_tools:
+                calls = [{"id": c.id, "type": "function",
+                          "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                         for c in self.tool_calls]
+                return {"role": role, "content": content, "tool_calls": calls}
+            written = [f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
+                       "</tool_call>" for c in self.tool_calls]
+            return {"role": role, "content": "\n".join(([content] if content else []) + written)}
+        return {"role": role, "content": content}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _at_most_max_messages(value: Any, info: ValidationInfo) -> Any:
@@ -240,9 +268,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
     functions: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -256,11 +285,15 @@ class ChatCompletionRequest(_SamplingFields):
             if message.content is None and message.role != "assistant":
                 raise BadRequest(f"messages[{i}].content: required for role {message.role!r}",
                                  param=f"messages[{i}].content")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} (tool calling) is not supported", param=name, code="unsupported_parameter")
-        if self.tool_choice not in (None, "none"):
-            raise BadRequest("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
+            if message.tool_calls is not None and message.role != "assistant":
+                raise BadRequest(f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                                 param=f"messages[{i}].tool_calls")
+            if (message.role == "tool") != (message.tool_call_id is not None):
+                raise BadRequest(f"messages[{i}].tool_call_id: required for role 'tool' and only there",
+                                 param=f"messages[{i}].tool_call_id")
+        if self.functions:
+            raise BadRequest("functions (the deprecated form of tools) is not supported; send tools",
+                             param="functions", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         use_completion = self.max_completion_tokens is not None
@@ -272,6 +305,19 @@ class ChatCompletionRequest(_SamplingFields):
         structured = self.structured_output()
         return self.sampling_params(max_tokens, logprobs, renames, structured and structured[0])
 
+    def tool_plan(self) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """A forced tool call's grammar, or the structured-output field's (not both)."""
+        plan = self.tool_plan()
+        forced = plan.structured_output() if plan is not None else None
+        asked = structured_output_of(self)
+        if forced is not None and asked is not None:
+            raise BadRequest(f"{asked[1]}: a structured output cannot be combined with tool_choice "
+                             f"{self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}",
+                             param=asked[1])
+        return (forced, "tools") if forced is not None else asked
 
 
 

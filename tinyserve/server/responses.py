@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -113,9 +113,30 @@ class CompletionChunk(_Head):
 
 # /v1/chat/completions
 
+class FunctionCallOut(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(_Body):
+    """A streamed call: sent whole, in one chunk (`index` numbers the calls of the choice)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessage(_Body):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(_Body):
@@ -136,6 +157,7 @@ class ChatDelta(_Body):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Body):
