@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "slower at large batches; see README 'Speed modes'")
     g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory_gib, metavar="GIB",
                    help=f"KV cache budget in GiB (default: {CacheConfig.cpu_kv_cache_memory_gib:g} GiB on CPU, "
-                        f"{CacheConfig.memory_fraction:.0%} of the free memory on CUDA)")
+                        f"{CacheConfig.memory_fraction:.0%}% of the free memory on CUDA)")  # "%%": argparse %-formats help
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
