@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
+from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
 from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
@@ -52,6 +53,8 @@ class LLMEngine:
             loaded = load_model(config.model, config.dtype, config.device, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        # for the fields a request leaves out; the server and tinyserve.LLM apply them
+        self.sampling_defaults = resolve_sampling_defaults(config, loaded)
         device, dtype = device_and_dtype(loaded.model)
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
@@ -73,6 +76,10 @@ class LLMEngine:
         self._num_consecutive_failed_steps = 0
 
     # requests in
+
+    def default_sampling_params(self, **fields) -> SamplingParams:
+        """SamplingParams with this engine's sampling defaults, and `fields` (any SamplingParams field) over them."""
+        return SamplingParams(**{**self.sampling_defaults.as_fields(), **fields})
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Meaning checks the server turns into 400s: InvalidRequest names the field and the numbers.

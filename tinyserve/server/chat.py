@@ -27,7 +27,7 @@ async def create_chat_completion(request: Request) -> Response:
     engine = state.admit()
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
     check_model(state, body.model)
-    params = body.to_sampling_params()
+    params = body.with_defaults(body.to_sampling_params(), state.sampling_defaults)
     messages = [m.as_template_message() for m in body.messages]
     prompt_ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

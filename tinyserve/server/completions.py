@@ -28,7 +28,7 @@ async def create_completion(request: Request) -> Response:
     engine = state.admit()
     body = await parse_body(request, CompletionRequest, limits_context(state.config))
     check_model(state, body.model)
-    params = body.to_sampling_params()
+    params = body.with_defaults(body.to_sampling_params(), state.sampling_defaults)
     prompts = [p if isinstance(p, list) else await encode_prompt(state, engine, p) for p in body.prompt]
     for ids in prompts:
         validate_prompt(engine, ids, params, "prompt")

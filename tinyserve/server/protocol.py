@@ -6,6 +6,7 @@ Decisions (the malformed-input tests assert them):
   newer fields such as `store` or `metadata`); fields we know but cannot honour, and that would change
   what the client gets (`echo`, `suffix`, `best_of` != n, `tools`, `functions`, a non-text
   `response_format`, non-text content parts), are a 400 naming the field.
+- Sampling fields a body leaves out (absent or null) get the server's defaults (`with_defaults`).
 - Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
 - Sizes are capped before any per-item work: prompts per completion and messages per chat come from the
   server's config, passed as the validation context (`limits_context`), and are checked before pydantic
@@ -14,11 +15,12 @@ Decisions (the malformed-input tests assert them):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from tinyserve.config import ServerConfig
+from tinyserve.config import SamplingDefaults, ServerConfig
 from tinyserve.server.errors import BadRequest
 from tinyserve.types import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams
 
@@ -132,6 +134,13 @@ class _SamplingFields(_Strict):
             param = renames.get(exc.param, exc.param)
             message = exc.message.replace(exc.param, param, 1) if exc.param else exc.message
             raise BadRequest(message, param=param, code=exc.code) from None
+
+
+    def with_defaults(self, params: SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+        """`params` with the server's default for each sampling field this body left out (absent or null; a
+        top_k of -1 or 0 is given: it asks for no cut). An explicit field always wins."""
+        missing = {name: value for name, value in defaults.as_fields().items() if getattr(self, name) is None}
+        return dataclasses.replace(params, **missing) if missing else params
 
 
 class CompletionRequest(_SamplingFields):

@@ -163,6 +163,16 @@ class ChatChunk(_Head):
 
 # the small endpoints
 
+class SamplingDefaultsInfo(_Body):
+    """The sampling fields a request that leaves them out gets (config.SamplingDefaults)."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None  # null: no top-k cut
+    min_p: float
+    repetition_penalty: float
+
+
 class ModelCard(_Body):
     id: str
     object: Literal["model"] = "model"
@@ -170,6 +180,7 @@ class ModelCard(_Body):
     owned_by: str = "tinyserve"
     root: str
     max_model_len: int | None
+    default_sampling_params: SamplingDefaultsInfo | None  # null until the model has loaded
 
 
 class ModelList(_Body):
