@@ -196,10 +196,11 @@ def test_readme_chat_example_names_paris(default_server):
     """README's chat example, with a seed and no sampling field, so the model's defaults (llama.cpp's for
     this GGUF) decide. They do not make every seed right on this 135M Q4_1 model: its first token is
     nearly a tie ('The' 0.152, 'L' 0.140, 'La' 0.104 in float32), and from 'L' it goes on in French
-    ("L'Etoile, la Marseillaise, ...") without naming Paris. Measured over seeds 0-19, sequentially: 16
-    name Paris in bfloat16 (the default mode on a CPU with bf16 kernels) and 15 in float32, against 10
-    and 9 with the neutral temperature-1 defaults they replace; seeds 0-4 alone give 4 of 5 (seed 1 fails)
-    under both, so five seeds cannot tell the two apart. Only greedy (temperature 0) names Paris on all."""
+    ("L'Etoile, la Marseillaise, ...") without naming Paris. Measured over seeds 0-19 through this server:
+    15 name Paris (all but 1, 10, 13, 15, 16) in bfloat16 (the default mode on a CPU with bf16 kernels) and
+    in float32 alike, against 9 with the neutral temperature-1 defaults they replace (--generation-config
+    vllm); seeds 0-4 alone give 4 of 5 (seed 1 fails), too few to tell the two apart. Only greedy
+    (temperature 0) names Paris on every seed."""
     named = []
     for seed in range(20):
         r = httpx.post(default_server.base_url + "/v1/chat/completions", timeout=120, json={
