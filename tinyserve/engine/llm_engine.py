@@ -129,6 +129,8 @@ class LLMEngine:
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                 arrival_time=arrival, priority=priority, index=index, prompt_index=prompt_index,
                 parent=samples[0] if samples else None,
+                # sample 0 scores the prompt; its siblings share its list (OutputProcessor)
+                prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
                 eos_token_ids=frozenset(self.model_config.eos_token_ids),
                 max_total_tokens=self.max_model_len, cache_salt=cache_salt,
             )
@@ -191,6 +193,9 @@ class LLMEngine:
             return StepResult({}, {})
         result = self.runner.execute(plan.scheduled)
         self.num_steps += 1
+        for request, scored in result.prompt_logprobs.items():
+            request.prompt_logprobs.extend(scored)
+            assert len(request.prompt_logprobs) <= request.num_prompt_tokens - 1, f"{request} scored twice"
         return result
 
     def _detokenize(self, request: Request,
