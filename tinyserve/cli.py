@@ -284,6 +284,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
         max_prompts_per_request=args.max_prompts_per_request, max_messages=args.max_messages,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        allow_unknown_fields=args.allow_unknown_fields,
         stream_write_timeout=args.stream_write_timeout, body_read_timeout=args.body_read_timeout,
         max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout,
     )
@@ -327,6 +328,9 @@ def _add_serve_parser(sub) -> None:
     g.add_argument("--stall-timeout", type=float, default=ServerConfig.stall_timeout, metavar="S",
                    help="/health is 503 when work is pending and no step has finished for this long")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="ignore request fields this server does not implement (default: a 400 naming the "
+                        "field, code unknown_parameter), for clients that send other servers' extras")
     limits = serve.add_argument_group("request and connection limits")
     limits.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts_per_request,
                         metavar="N",

@@ -262,6 +262,9 @@ class ServerConfig:
     # Special-token text in chat messages (e.g. "<|im_start|>") is encoded as plain text so a user
     # cannot forge a turn; True renders it as control tokens, for trusted clients only.
     allow_special_tokens_in_messages: bool = False
+    # A request field this server does not know is a 400 naming it (code unknown_parameter), so that no
+    # field is ignored in silence; True ignores unknown fields, for clients that send other servers' extras.
+    allow_unknown_fields: bool = False
     # Connection limits, so slow or idle peers cannot hold the server's memory or sockets:
     stream_write_timeout: float = 30.0  # a stream whose client reads nothing for this long is aborted
     body_read_timeout: float = 30.0  # seconds from a request's start to its last body byte; then 408

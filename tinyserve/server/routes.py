@@ -69,7 +69,7 @@ async def tokenize(request: Request) -> dict:
 async def detokenize(request: Request) -> dict:
     state = server_state(request)
     engine = state.check_ready()
-    body = await parse_body(request, DetokenizeRequest)
+    body = await parse_body(request, DetokenizeRequest, limits_context(state.config))
     check_model(state, body.model)
     vocab = engine.engine.model_config.vocab_size
 
