@@ -127,6 +127,15 @@ def test_earliest_completed_stop_wins(tokenizer):
     assert detok.stop_hit == "beta" and detok.text == "alpha "
 
 
+def test_include_stop_str_keeps_the_stop_string_and_cuts_after_it(tokenizer):
+    """The text ends with the earliest stop string instead of before it; what follows it in the same
+    token is dropped all the same."""
+    text = "alpha beta gamma delta"
+    for stop, expected in (("beta", "alpha beta"), (" gam", "alpha beta gam"), ("a d", "alpha beta gamma d")):
+        detok, deltas = stream(tokenizer, tokenizer.encode(text), stop=(stop, "delta"), include_stop_str=True)
+        assert detok.stop_hit == stop and "".join(deltas) == detok.text == expected, (stop, deltas)
+
+
 def test_possible_stop_prefix_is_held_then_flushed(tokenizer):
     ids = tokenizer.encode("The end is near STO")
     detok = IncrementalDetokenizer(tokenizer, [], stop=("STOP",))

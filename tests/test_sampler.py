@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinyserve.engine.request import Request
-from tinyserve.engine.sampler import Sampler, _never_a_cut_token, process_logits
+from tinyserve.engine.sampler import Sampler, _never_a_cut_token, process_logits, prompt_token_logprobs
 from tinyserve.types import (
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,
@@ -246,6 +246,20 @@ def test_logprobs_match_raw_log_softmax_and_top_k_order():
         assert all(math.isclose(lp, float(v), abs_tol=1e-6) for (_, lp), v in zip(entry.top, values))
     assert out.logprobs[2].top == () and out.next_token_ids[2] == int(logits[2].argmax())
     assert out.next_token_ids[0] == 0  # bias +50 wins the draw, yet the logprob stays the raw one
+
+
+def test_prompt_token_logprobs_give_each_rows_token_its_rank_and_the_top_k():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(9))
+    token_ids = [7, 0, 299, int(logits[3].argmax()), 42]
+    scored = prompt_token_logprobs(logits, token_ids, 3)
+    probs = torch.softmax(logits.double(), dim=-1)
+    for row, (entry, token_id) in enumerate(zip(scored, token_ids)):
+        assert entry.token_id == token_id
+        assert math.isclose(entry.logprob, math.log(float(probs[row, token_id])), abs_tol=1e-5)
+        assert entry.rank == 1 + sum(float(p) > float(probs[row, token_id]) for p in probs[row])  # by definition
+        assert [t for t, _ in entry.top] == sorted(range(300), key=lambda t: -float(probs[row, t]))[:3]
+    assert scored[3].rank == 1 and scored[3].top[0] == (token_ids[3], scored[3].logprob)
+    assert [e.top for e in prompt_token_logprobs(logits[:2].bfloat16(), token_ids[:2], 0)] == [(), ()]
 
 
 def run_steps(sampler: Sampler, target: Request, others: list[Request], row: int, num_steps: int = 8):

@@ -1,5 +1,5 @@
 """Malformed and out-of-range requests, table-driven: each gets its documented status and OpenAI's error
-shape, and the server keeps serving. Unknown fields are accepted and ignored (see server/protocol.py)."""
+shape, and the server keeps serving. Unknown fields are a 400 naming them (see server/protocol.py)."""
 
 import json
 
@@ -66,11 +66,15 @@ CASES = [
     ("logit_bias out of range", C, completion(logit_bias={"5": 1000}), None, 400, "logit_bias", "[-100.0, 100.0]"),
     ("min_tokens above max", C, completion(min_tokens=5), None, 400, "min_tokens", "max_tokens"),
     ("priority string", C, completion(priority="high"), None, 400, "priority", "integer"),
-    ("echo unsupported", C, completion(echo=True), None, 400, "echo", "not supported"),
+    ("suffix unsupported", C, completion(suffix="."), None, 400, "suffix", "not supported"),
+    ("best_of other than n", C, completion(best_of=2), None, 400, "best_of", "must equal n"),
+    ("max_tokens 0 without echo", C, completion(max_tokens=0), None, 400, "max_tokens", "0 with prompt_logprobs"),
     ("stream_options without stream", C, completion(stream_options={"include_usage": True}), None, 400,
      "stream_options", "stream"),
     ("unknown model", C, completion(model="gpt-4o"), None, 404, "model", "does not exist"),
-    ("unknown field ignored", C, completion(frobnicate=1, store=True), None, 200, None, None),
+    ("unknown field refused", C, completion(frobnicate=1, store=True), None, 400, "frobnicate", "unknown field"),
+    ("chat-only field on completions", C, completion(store=False), None, 400, "store", "unknown field"),
+    ("chat store true", CHAT, chat(store=True), None, 400, "store", "stores no completions"),
     ("chat messages empty", CHAT, chat(messages=[]), None, 400, "messages", "at least one"),
     ("chat messages not a list", CHAT, chat(messages="hi"), None, 400, "messages", "array"),
     ("chat unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), None, 400,

@@ -99,8 +99,11 @@ def test_a_large_bodys_lists_are_counted_before_it_is_parsed(server, monkeypatch
     r = httpx.post(server.base_url + C, content=json.dumps(body)[:-2].encode(), timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
-    assert post(server, C, {**body, "messages": USER * 100, "stop": ["s"] * 16}).status_code == 200
-    assert len(parsed_sizes) == 3  # what the count could not refuse went on to the parser
+    # completions has no `messages`: not counted, parsed, then refused as unknown
+    assert_400(post(server, C, {**body, "messages": USER * 100, "stop": ["s"] * 16}), "messages", "unknown field",
+               code="unknown_parameter")
+    assert post(server, C, {**body, "stop": ["s"] * 16}).status_code == 200
+    assert len(parsed_sizes) == 4  # what the count could not refuse went on to the parser
     assert_idle_and_healthy(server)
 
 

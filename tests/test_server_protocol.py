@@ -8,7 +8,7 @@ from tinyserve.server.errors import BadRequest, bad_request_from_validation
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tinyserve.server.metrics import ServerMetrics, _token_buckets
 from tinyserve.server.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest)
+                                       DetokenizeRequest, TokenizeRequest, refuse_unknown_fields, unknown_fields)
 from tinyserve.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
 
 
@@ -121,6 +121,37 @@ def test_engine_caps_are_named_by_their_field():
         with pytest.raises(BadRequest) as exc:
             CompletionRequest.model_validate({"prompt": "x", **fields}).to_sampling_params()
         assert exc.value.param == param and exc.value.message.startswith(param) and fragment in exc.value.message
+
+
+def test_unknown_fields_are_named_where_they_are():
+    body = CompletionRequest.model_validate({"prompt": "x", "foo": 1, "stream_options": {"include_usage": True, "x": 2}})
+    assert sorted(unknown_fields(body)) == ["foo", "stream_options.x"]
+    chat = _chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b", "y": 3}])
+    assert unknown_fields(chat) == ["messages[1].y"]
+    with pytest.raises(BadRequest) as exc:
+        refuse_unknown_fields(chat, {"allow_unknown_fields": False})
+    assert (exc.value.param, exc.value.code) == ("messages[1].y", "unknown_parameter")
+    refuse_unknown_fields(chat, {"allow_unknown_fields": True})
+    assert unknown_fields(_chat(user="u", store=False, metadata={"a": "b"})) == []
+
+
+def test_echo_and_prompt_logprobs_mapping():
+    def params(**fields):
+        return CompletionRequest.model_validate({"prompt": "x", **fields}).to_sampling_params()
+
+    assert params(prompt_logprobs=2).prompt_logprobs == 2 and params().prompt_logprobs is None
+    assert params(echo=True).prompt_logprobs is None  # the prompt's text only: nothing to score
+    assert params(echo=True, logprobs=3).prompt_logprobs == 3
+    assert params(echo=True, logprobs=1, prompt_logprobs=4).prompt_logprobs == 4
+    scoring = params(echo=True, max_tokens=0)
+    assert (scoring.max_tokens, scoring.prompt_logprobs) == (0, 0)
+    with pytest.raises(BadRequest) as exc:
+        params(max_tokens=0)
+    assert exc.value.param == "max_tokens"
+    assert _chat(include_stop_str_in_output=True).to_sampling_params().include_stop_str_in_output
+    assert _chat(max_tokens=0, prompt_logprobs=1).to_sampling_params().max_tokens == 0
+    named = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x", "name": "ann"}]})
+    assert named.messages[0].as_template_message() == {"role": "user", "content": "x", "name": "ann"}
 
 
 class _FakeTokenizer:

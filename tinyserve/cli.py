@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, DatasetConfig, OfflineBenchConfig,
                                     ServeBenchConfig, SweepConfig)
-from tinyserve.config import (DEFAULT_MODEL, DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig,
+from tinyserve.config import (DEFAULT_MODEL, DTYPES, GENERATION_CONFIG_SOURCES, LLAMA_CPP_SAMPLING_DEFAULTS,
+                              QUANTIZATIONS, SAMPLING_DEFAULT_FIELDS, CacheConfig, EngineConfig, SchedulerConfig,
                               ServerConfig)
 
 # Every default below is read from the config dataclasses (tinyserve/config.py, tinyserve/bench/config.py),
@@ -40,9 +41,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
 
 
+def _generation_config_args(parser: argparse.ArgumentParser) -> None:
+    llama_cpp = ", ".join(f"{k} {v}" for k, v in LLAMA_CPP_SAMPLING_DEFAULTS.items())
+    g = parser.add_argument_group("default sampling (for the fields a request leaves out; a request's own win)")
+    g.add_argument("--generation-config", default=EngineConfig.generation_config, choices=GENERATION_CONFIG_SOURCES,
+                   help="auto: the checkpoint's (a Hugging Face folder's generation_config.json; for a GGUF "
+                        f"llama.cpp's defaults, {llama_cpp}, under the file's general.sampling.* metadata); "
+                        "vllm: the neutral OpenAI values (temperature 1, no top-p/top-k/min-p cut)")
+    g.add_argument("--override-generation-config", type=_json_object, default={}, metavar="JSON",
+                   help=f"fields over those, e.g. '{{\"temperature\": 0.5}}' (known: {', '.join(SAMPLING_DEFAULT_FIELDS)}; "
+                        "top_k -1, 0 or null: no cut)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, seed=args.seed,
+        # only `serve` has these flags: `generate` and `chat` take their sampling from their own flags
+        generation_config=getattr(args, "generation_config", EngineConfig.generation_config),
+        override_generation_config=getattr(args, "override_generation_config", {}),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -258,6 +284,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
         max_prompts_per_request=args.max_prompts_per_request, max_messages=args.max_messages,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        allow_unknown_fields=args.allow_unknown_fields,
         stream_write_timeout=args.stream_write_timeout, body_read_timeout=args.body_read_timeout,
         max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout,
     )
@@ -301,6 +328,9 @@ def _add_serve_parser(sub) -> None:
     g.add_argument("--stall-timeout", type=float, default=ServerConfig.stall_timeout, metavar="S",
                    help="/health is 503 when work is pending and no step has finished for this long")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="ignore request fields this server does not implement (default: a 400 naming the "
+                        "field, code unknown_parameter), for clients that send other servers' extras")
     limits = serve.add_argument_group("request and connection limits")
     limits.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts_per_request,
                         metavar="N",
@@ -321,6 +351,7 @@ def _add_serve_parser(sub) -> None:
     limits.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout, metavar="S",
                         help="close a connection that has sent nothing for this long between requests")
     add_engine_args(serve)
+    _generation_config_args(serve)
     serve.set_defaults(func=cmd_serve, log_level="info")
 
 

@@ -13,6 +13,15 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # the choices of --dtype and of EngineConfig.dtype
 Quantization = Literal["int8", "int4"]  # weight-only formats (layers/quant.py)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+# Where the default sampling fields come from (--generation-config, as vLLM's): "auto" from the checkpoint,
+# "vllm" the neutral values of SamplingDefaults below (OpenAI's, and vLLM's own defaults).
+GenerationConfigSource = Literal["auto", "vllm"]
+GENERATION_CONFIG_SOURCES: tuple[str, ...] = get_args(GenerationConfigSource)
+SamplingDefaultField = Literal["temperature", "top_p", "top_k", "min_p", "repetition_penalty"]
+SAMPLING_DEFAULT_FIELDS: tuple[str, ...] = get_args(SamplingDefaultField)
+# llama.cpp's own defaults (common_params_sampling), which a GGUF gets under "auto" for each field its
+# general.sampling.* metadata does not set, as llama.cpp does
+LLAMA_CPP_SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling fields a request that leaves them out gets (named as SamplingParams' fields); an explicit
+    request field always wins. Resolved once at start-up (engine/generation_defaults.py), from the checkpoint
+    or these neutral values, then EngineConfig.override_generation_config. Ranges are SamplingParams' own,
+    checked there."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def as_fields(self) -> dict[str, float | int | None]:
+        return {name: getattr(self, name) for name in SAMPLING_DEFAULT_FIELDS}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # alias, path to a .gguf file, or a Hugging Face checkpoint folder
     dtype: DType = "auto"
@@ -187,10 +213,27 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # the default sampling fields: from the checkpoint ("auto") or neutral ("vllm"), then these fields
+    # (SamplingDefaults' names; top_k -1 or 0 means no cut) over them
+    generation_config: GenerationConfigSource = "auto"
+    override_generation_config: dict[str, float | int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.generation_config not in GENERATION_CONFIG_SOURCES:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_SOURCES)}; "
+                             f"got {self.generation_config!r}")
+        unknown = sorted(set(self.override_generation_config) - set(SAMPLING_DEFAULT_FIELDS))
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown field {unknown[0]!r} (known: "
+                             f"{', '.join(SAMPLING_DEFAULT_FIELDS)})")
+        for name, value in self.override_generation_config.items():
+            is_top_k = name == "top_k"  # None (or -1, 0): no top-k cut
+            if not (is_top_k and value is None) and (not isinstance(value, (int,) if is_top_k else (int, float))
+                                                     or isinstance(value, bool)):
+                kind = "an integer" if is_top_k else "a number"
+                raise ValueError(f"override_generation_config: {name} must be {kind}, got {value!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
                              f"got {self.quantization!r}")
@@ -219,6 +262,9 @@ class ServerConfig:
     # Special-token text in chat messages (e.g. "<|im_start|>") is encoded as plain text so a user
     # cannot forge a turn; True renders it as control tokens, for trusted clients only.
     allow_special_tokens_in_messages: bool = False
+    # A request field this server does not know is a 400 naming it (code unknown_parameter), so that no
+    # field is ignored in silence; True ignores unknown fields, for clients that send other servers' extras.
+    allow_unknown_fields: bool = False
     # Connection limits, so slow or idle peers cannot hold the server's memory or sockets:
     stream_write_timeout: float = 30.0  # a stream whose client reads nothing for this long is aborted
     body_read_timeout: float = 30.0  # seconds from a request's start to its last body byte; then 408

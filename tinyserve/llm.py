@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinyserve.config import CacheConfig, DType, EngineConfig, Quantization, SchedulerConfig
+from tinyserve.config import CacheConfig, DType, EngineConfig, GenerationConfigSource, Quantization, SchedulerConfig
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
@@ -60,9 +60,12 @@ class LLM:
                  max_model_len: int | None = SchedulerConfig.max_model_len,
                  kv_cache_memory: float | None = CacheConfig.kv_cache_memory_gib,
                  num_kv_blocks: int | None = CacheConfig.num_blocks, block_size: int = CacheConfig.block_size,
-                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, seed: int = EngineConfig.seed):
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, seed: int = EngineConfig.seed,
+                 generation_config: GenerationConfigSource = EngineConfig.generation_config,
+                 override_generation_config: dict | None = None):
         config = EngineConfig(
             model=model, dtype=dtype, device=device, quantization=quantization, seed=seed,
+            generation_config=generation_config, override_generation_config=override_generation_config or {},
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -73,9 +76,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Without `params`, the engine's default sampling (the checkpoint's, as vLLM's LLM.generate)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params or self.engine.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         results = []

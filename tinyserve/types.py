@@ -89,8 +89,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob and the top k
+    # None: none; k: each prompt token's logprob (all but the first, which has no context), rank and the top
+    # k, from the model's raw logits. Such a prompt skips the prefix cache: cached tokens have no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # every token is drawn from the grammar's allowed set
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     # derived once here, so that per-token work is a set lookup and a list extend
     stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)
     logit_bias_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -109,12 +113,17 @@ class SamplingParams:
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        # max_tokens 0 only scores the prompt: nothing is generated
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InvalidRequest(f"max_tokens must be >= 1 (or 0 with prompt_logprobs, to score the prompt only), "
+                                 f"got {self.max_tokens}", param="max_tokens")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", param="min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+                                 param="prompt_logprobs")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
 
@@ -172,6 +181,7 @@ class TokenLogprob:
     logprob: float
     # the top-k alternatives at this position, best first: (token_id, logprob)
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # of token_id in its distribution, 1 = the most likely (prompt tokens only)
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,9 @@ class RequestOutput:
     error: str | None = None  # set with FinishReason.ERROR
     metrics: RequestMetrics | None = None  # on the final output only
     prompt_index: int = 0  # which prompt of the request (a completion may carry several)
+    # with SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has no context), on each sample's first
+    # output once the whole prompt is computed
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

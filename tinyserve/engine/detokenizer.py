@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
 
     Stop strings: decoded text that is, or could still grow into, a stop string is held in `_held` (its length
     is the depth of the StopMatcher state). When a stop string appears, `stop_hit` is set, the text before the
-    earliest-starting stop string is released and the rest is dropped; after that step() and flush() return "".
+    earliest-starting stop string (through its end, with include_stop_str) is released and the rest is dropped; after that step() and flush() return "".
     flush() releases whatever is held when the sequence ends for another reason.
 
     Invariant: `text` is the concatenation of everything returned; with no stop string hit, `text` after flush()
@@ -105,8 +105,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: tuple[str, ...] = (),
+        include_stop_str: bool = False,  # the released text ends with the stop string, not before it
     ) -> None:
         assert all(stop), "stop strings must be non-empty"
+        self._include_stop_str = include_stop_str
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
@@ -190,6 +192,8 @@ class IncrementalDetokenizer:
             # suffices; the earliest start wins (the stop that completed first may start later)
             found = [(pending.find(s), s) for s in self._stop if s in pending]
             cut, self.stop_hit = min(found, key=lambda f: f[0])
+            if self._include_stop_str:
+                cut += len(self.stop_hit)
             released, self._held = pending[:cut], ""
         else:
             keep = self._matcher.depth[self._stop_state]

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
+from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
 from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
@@ -53,6 +54,8 @@ class LLMEngine:
             loaded = load_model(config.model, config.dtype, config.device, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        # for the fields a request leaves out; the server and tinyserve.LLM apply them
+        self.sampling_defaults = resolve_sampling_defaults(config, loaded)
         device, dtype = device_and_dtype(loaded.model)
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
@@ -77,6 +80,10 @@ class LLMEngine:
         self._num_consecutive_failed_steps = 0
 
     # requests in
+
+    def default_sampling_params(self, **fields) -> SamplingParams:
+        """SamplingParams with this engine's sampling defaults, and `fields` (any SamplingParams field) over them."""
+        return SamplingParams(**{**self.sampling_defaults.as_fields(), **fields})
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Meaning checks the server turns into 400s: InvalidRequest names the field and the numbers.
@@ -128,6 +135,8 @@ class LLMEngine:
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                 arrival_time=arrival, priority=priority, index=index, prompt_index=prompt_index,
                 parent=samples[0] if samples else None,
+                # sample 0 scores the prompt; its siblings share its list (OutputProcessor)
+                prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
                 eos_token_ids=frozenset(self.model_config.eos_token_ids),
                 max_total_tokens=self.max_model_len, cache_salt=cache_salt,
             )
@@ -194,6 +203,9 @@ class LLMEngine:
             return StepResult({}, {})
         result = self.runner.execute(plan.scheduled)
         self.num_steps += 1
+        for request, scored in result.prompt_logprobs.items():
+            request.prompt_logprobs.extend(scored)
+            assert len(request.prompt_logprobs) <= request.num_prompt_tokens - 1, f"{request} scored twice"
         return result
 
     @staticmethod

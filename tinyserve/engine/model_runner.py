@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tinyserve.engine.request import Request
-from tinyserve.engine.sampler import Sampler, TokenMasks
+from tinyserve.engine.sampler import Sampler, TokenMasks, prompt_token_logprobs
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import allocate_kv_cache
 from tinyserve.layers.ops import decode_kernel_applies
@@ -27,11 +27,26 @@ from tinyserve.types import TokenLogprob
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
+# prompt rows scored per LM-head call: bounds the [rows, vocab] float32 logits a long prefill chunk makes
+PROMPT_LOGITS_ROWS = 128
+
 
 @dataclass
 class StepResult:
     sampled: dict[Request, int]  # the next token of each request whose chunk reached its last token
     logprobs: dict[Request, TokenLogprob]  # for sampled requests that asked for logprobs
+    # for requests that need prompt logprobs: those of the prompt tokens after this step's chunk positions,
+    # in order, continuing Request.prompt_logprobs
+    prompt_logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass
+class _PromptSpan:
+    """Consecutive rows of the batch whose next tokens are prompt tokens to score."""
+
+    request: Request
+    first_row: int
+    token_ids: list[int]  # the prompt token each row predicts, in order
 
 
 @dataclass
@@ -41,6 +56,7 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
     sampled_requests: list[Request]
+    prompt_spans: list[_PromptSpan]
 
 
 def _batch_order(request: Request, num_new: int) -> tuple[bool, int]:
@@ -76,13 +92,24 @@ class ModelRunner:
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
         pending_masks = self._start_masks([requests[i].matcher for i in constrained]) if constrained else None
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
+        prompt_logprobs = {span.request: self._score_prompt(hidden, span) for span in batch.prompt_spans}
         if not requests:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
         masks = TokenMasks(pending_masks.result(), constrained) if pending_masks is not None else None
         out = self.sampler(logits, requests, masks)
         logprobs = {r: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(requests, out.next_token_ids)), logprobs)
+        return StepResult(dict(zip(requests, out.next_token_ids)), logprobs, prompt_logprobs)
+
+    def _score_prompt(self, hidden: torch.Tensor, span: _PromptSpan) -> list[TokenLogprob]:
+        """The logprobs of the prompt tokens a span's rows predict, PROMPT_LOGITS_ROWS rows at a time."""
+        k = span.request.sampling_params.prompt_logprobs
+        scored: list[TokenLogprob] = []
+        for start in range(0, len(span.token_ids), PROMPT_LOGITS_ROWS):
+            token_ids = span.token_ids[start : start + PROMPT_LOGITS_ROWS]
+            rows = hidden[span.first_row + start : span.first_row + start + len(token_ids)]  # [rows, hidden]
+            scored += prompt_token_logprobs(self.model.compute_logits(rows), token_ids, k)
+        return scored
 
     def _start_masks(self, matchers: list[LLMatcher]) -> Future[torch.Tensor]:
         assert self._fill_bitmask is not None, "a constrained request in an engine without structured outputs"
@@ -95,7 +122,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seq_lens, query_lens, tables, sample_rows, sampled = [], [], [], [], []
+        seq_lens, query_lens, tables, sample_rows, sampled, prompt_spans = [], [], [], [], [], []
         bs = self.block_size
         for i in order:
             request, num_new = scheduled[i]
@@ -108,7 +135,14 @@ class ModelRunner:
             seq_lens.append(end)
             query_lens.append(num_new)
             tables.append(table)
-            if end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
+            if request.needs_prompt_logprobs:
+                # rows predicting prompt tokens not yet scored (after a preemption, recomputed ones are not)
+                first, last = max(start, len(request.prompt_logprobs)), min(end, request.num_prompt_tokens - 1)
+                if first < last:
+                    row = len(input_ids) - num_new + first - start
+                    prompt_spans.append(_PromptSpan(request, row, request.prompt_token_ids[first + 1 : last + 1]))
+            # the chunk reaches the last known token: sample the next one (max_tokens 0 only scores the prompt)
+            if end == request.num_tokens and request.sampling_params.max_tokens != 0:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(request)
         device = self.device
@@ -121,4 +155,5 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
             sampled_requests=sampled,
+            prompt_spans=prompt_spans,
         )

@@ -1,5 +1,5 @@
 """Turns a request's step into a RequestOutput: its text delta from the request's incremental
-detokenizer, logprobs, and usage plus timings on the final output of each sample. Holds no state of its
+detokenizer, logprobs (and the prompt's, once), and usage plus timings on the final output of each sample. Holds no state of its
 own: the detokenizer lives on the Request and goes with it."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         params = request.sampling_params
         request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
+            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output,
         )
 
     @staticmethod
@@ -65,5 +66,15 @@ def _output(request: Request, text: str, ids: list[int], logprobs: list[TokenLog
     return RequestOutput(
         request_id=request.request_id, index=request.index, new_text=text, new_token_ids=ids,
         finish_reason=reason, usage=usage, logprobs=logprobs, error=error, metrics=metrics,
-        prompt_index=request.prompt_index,
+        prompt_index=request.prompt_index, prompt_logprobs=_prompt_logprobs_to_send(request),
     )
+
+
+def _prompt_logprobs_to_send(request: Request) -> list[TokenLogprob] | None:
+    """The prompt's logprobs, once per sample: on its first output after they are all computed (sample 0
+    computes them; the scheduler keeps its siblings from running ahead of them)."""
+    owner = request.parent or request
+    if request.has_sent_prompt_logprobs or owner.prompt_logprobs is None or owner.needs_prompt_logprobs:
+        return None
+    request.has_sent_prompt_logprobs = True
+    return list(owner.prompt_logprobs)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tinyserve.types import FinishReason, SamplingParams
+from tinyserve.types import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,10 @@ class Request:
     generator: torch.Generator | None = None  # a seeded request's own generator (Sampler), made on first draw
     # with a structured output: follows its output tokens and says which tokens may come next
     matcher: LLMatcher | None = None
+    # with prompt_logprobs, on sample 0 only (its siblings read their parent's): prompt tokens 1.., appended
+    # as prefill chunks compute them (LLMEngine.step), complete at num_prompt_tokens - 1 entries
+    prompt_logprobs: list[TokenLogprob] | None = None
+    has_sent_prompt_logprobs: bool = False  # its first output after the prompt was computed carried them
     detokenizer: IncrementalDetokenizer | None = None
     add_order: int = 0  # set by the scheduler: breaks arrival-time ties
 
@@ -88,6 +92,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: each prompt position must be computed here, so
+        neither the prefix cache nor a fork may provide it."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

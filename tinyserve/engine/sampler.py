@@ -324,3 +324,18 @@ def _logprob_table(
     chosen = logprobs.gather(1, next_token_ids.index_select(0, index)[:, None])  # [len(rows), 1]
     top = logprobs.topk(k, dim=-1)  # k == 0 gives empty [len(rows), 0]
     return torch.cat([chosen, top.values, top.indices.float()], dim=1)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Row i's logprob of token_ids[i] (the prompt token that follows its position), its rank (1 + the tokens
+    strictly more likely) and the top k, from raw logits [rows, vocab], as sampled tokens' logprobs are.
+    One host sync; ids and ranks travel as float32, exact below 2**24."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [rows, vocab]
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)[:, None]  # [rows, 1]
+    chosen = logprobs.gather(1, ids)  # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True).float() + 1.0  # [rows, 1]
+    top = logprobs.topk(k, dim=-1)  # k == 0 gives empty [rows, 0]
+    table = torch.cat([chosen, ranks, top.values, top.indices.float()], dim=1).tolist()  # [rows, 2 + 2k]
+    return [TokenLogprob(token_id=t, logprob=row[0], rank=int(row[1]),
+                         top=tuple((int(row[2 + k + m]), row[2 + m]) for m in range(k)))
+            for t, row in zip(token_ids, table)]

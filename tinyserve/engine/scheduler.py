@@ -184,7 +184,8 @@ class Scheduler:
                sampled: dict[Request, int]) -> list[tuple[Request, FinishReason | None]]:
         """Apply one executed step. `sampled` maps each request whose chunk reached its last known token
         to its new token. Returns (request, stop condition or None) for each request that got a token,
-        in step order: EOS, a stop token id or a length limit; the engine finishes those.
+        in step order: EOS, a stop token id or a length limit; the engine finishes those. A request of
+        max_tokens 0 gets no token: it comes back with LENGTH once its prompt is computed.
 
         A request whose update raises (other than a broken invariant) comes back with ERROR alone, its
         traceback logged."""
@@ -195,7 +196,8 @@ class Scheduler:
                 continue
             try:
                 if self._apply(request, num_new, sampled, now):
-                    updates.append((request, self._stop_reason(request)))
+                    updates.append((request, self._stop_reason(request) if request.output_token_ids
+                                    else FinishReason.LENGTH))
             except AssertionError:
                 raise
             except Exception:
@@ -208,6 +210,9 @@ class Scheduler:
         request.num_computed_tokens += num_new
         assert request.num_computed_tokens <= request.num_tokens
         is_sampled = request.num_computed_tokens == request.num_tokens
+        if is_sampled and request.sampling_params.max_tokens == 0:  # prompt scored, nothing to generate
+            self.block_manager.cache_full_blocks(request)
+            return True
         if is_sampled:
             assert request in sampled, f"no sampled token for {request}"
             request.output_token_ids.append(sampled[request])
@@ -303,6 +308,8 @@ class Scheduler:
             bm.fork(fork_source, request, num_shared_blocks)
             request.num_computed_tokens = num_shared_blocks * bm.block_size
             num_cached = 0
+        elif request.needs_prompt_logprobs:  # cached tokens have no logits (as vLLM: no prefix cache for it)
+            num_cached = 0
         else:
             num_cached = bm.get_computed_prefix(request)
         num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
@@ -321,14 +328,15 @@ class Scheduler:
 
         It waits while its parent has not yet computed its prompt for the first time; it forks once the
         parent is running with its prompt computed; if the parent finished or was preempted before that,
-        it prefills on its own.
+        it prefills on its own, unless the parent's prompt logprobs are still to come: each sample's first
+        output carries them, so none may run ahead of them.
         """
         parent = request.parent
         if parent is None or parent.is_finished:
             return False, None
         if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens >= parent.num_prompt_tokens:
             return False, parent
-        return parent.num_preemptions == 0, None
+        return parent.num_preemptions == 0 or parent.needs_prompt_logprobs, None
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
         params = request.sampling_params

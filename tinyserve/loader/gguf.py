@@ -97,6 +97,24 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         raise ModelLoadError(f"{getattr(reader.data, 'filename', 'GGUF file')}: GGUF metadata: {exc}") from None
 
 
+# general.sampling.* keys (llama.cpp's model-embedded recommendations) -> SamplingDefaults' names
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_fields(reader: GGUFReader) -> dict[str, float | int | None]:
+    """The sampling fields the file recommends in its general.sampling.* metadata ({} for none), as llama.cpp
+    reads them; f32 values are rounded to 6 digits, so that 0.95 is not 0.949999988. Keys llama.cpp has and we
+    have no sampler for (mirostat, xtc, penalty_last_n, sequence) are not read."""
+    fields: dict[str, float | int | None] = {}
+    for suffix, name in _SAMPLING_KEYS.items():
+        key = f"general.sampling.{suffix}"
+        value = field(reader, key)
+        if value is not None:
+            fields[name] = _number(value, key, int) if name == "top_k" else round(_number(value, key, float), 6)
+    return fields
+
+
 def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> RopeScaling | None:
     if "rope_freqs.weight" in tensor_names:
         raise ModelLoadError("GGUF rope_freqs tensors (llama3 rope scaling in GGUF form) are not supported yet")

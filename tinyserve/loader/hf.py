@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tinyserve.config import ModelConfig, RopeScaling
+from tinyserve.config import SAMPLING_DEFAULT_FIELDS, ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.weights import NamedTensor, TensorSource
 from tinyserve.models.registry import family_of_hf_architecture, get_model_class
@@ -185,6 +185,31 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         raise
     except ValueError as exc:  # ModelConfig's and RopeScaling's checks
         raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from None
+
+
+def hf_sampling_fields(folder: str | Path) -> dict[str, float | int | None]:
+    """The sampling fields a folder's generation_config.json sets (SamplingDefaults' names; {} without the
+    file), as vLLM's `--generation-config auto` reads them. `do_sample: false` is HF's greedy: temperature 0.
+    NOTE: HF's GenerationConfig defaults do_sample to false, but checkpoints that set a temperature without
+    do_sample mean to sample (and vLLM samples them), so only an explicit false means greedy."""
+    path = Path(folder) / "generation_config.json"
+    raw = _read_json(path) if path.is_file() else {}
+    fields: dict[str, float | int | None] = {}
+    for key in SAMPLING_DEFAULT_FIELDS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if key == "top_k":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ModelLoadError(f"{path}: top_k must be an integer, got {value!r}")
+            fields[key] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            fields[key] = float(value)
+        else:
+            raise ModelLoadError(f"{path}: {key} must be a finite number, got {value!r}")
+    if raw.get("do_sample") is False:
+        fields["temperature"] = 0.0
+    return fields
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -26,8 +26,8 @@ from tinyserve.layers.linear import (
 )
 from tinyserve.layers.quant import check_quantization
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
-from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
+from tinyserve.loader.gguf import gguf_model_config, gguf_sampling_fields, gguf_tensors, open_gguf
+from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields, hf_tensors
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.weights import load_weights, match_tensors
 from tinyserve.models.registry import get_model_class
@@ -43,7 +43,14 @@ class LoadedModel:
     model: nn.Module
     config: ModelConfig
     tokenizer: Tokenizer
-    source: Path
+    source: Path  # a .gguf file, or a Hugging Face folder (a directory)
+    # the sampling fields the checkpoint recommends (generation_config.json, or a GGUF's general.sampling.*),
+    # in SamplingDefaults' names; the engine resolves its defaults from them (engine/generation_defaults.py)
+    recommended_sampling: dict[str, float | int | None] = field(default_factory=dict)
+
+    @property
+    def is_hf_folder(self) -> bool:
+        return self.source.is_dir()
 
 
 def _packaged_file(package: str, filename: str) -> Path:
@@ -120,19 +127,21 @@ def load_model(model: str, dtype: str, device: str, quantization: str | None = N
     start = time.perf_counter()
     if path.is_dir():
         config = hf_model_config(path)
+        recommended = hf_sampling_fields(path)
         tokenizer = Tokenizer.from_folder(path)
         net = build_model(config, hf_tensors(path), torch_dtype, torch_device,
                           ignore=partial(hf_ignored, config=config), quantization=quantization)
     else:
         reader = open_gguf(path)
         config = gguf_model_config(reader)
+        recommended = gguf_sampling_fields(reader)
         tokenizer = Tokenizer.from_gguf(reader)
         net = build_model(config, gguf_tensors(reader, config), torch_dtype, torch_device, quantization=quantization)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     config = _with_eos(config, eos, tokenizer.bos_token_id)
     logger.info("loaded %s (%s, %s%s on %s) in %.1fs", path.name, config.architecture, torch_dtype,
                 f", {quantization} weights" if quantization else "", torch_device, time.perf_counter() - start)
-    return LoadedModel(net, config, tokenizer, path)
+    return LoadedModel(net, config, tokenizer, path, recommended)
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...], bos: int | None) -> ModelConfig:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
 from tinyserve.server.intake import (check_model, compile_structured_output, encode_chat, parse_body,
                                      require_api_key, server_state, validate_prompt)
-from tinyserve.server.logprobs import TokenTexts, chat_logprobs
+from tinyserve.server.logprobs import TokenTexts, chat_logprobs, prompt_logprobs
 from tinyserve.server.protocol import ChatCompletionRequest, limits_context
 from tinyserve.server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse,
                                         ToolCallDelta, ToolCallOut)
@@ -29,7 +29,7 @@ async def create_chat_completion(request: Request) -> Response:
     engine = state.admit()
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
     check_model(state, body.model)
-    params = body.to_sampling_params()
+    params = body.with_defaults(body.to_sampling_params(), state.sampling_defaults)
     tools = body.tool_plan()
     await compile_structured_output(engine, params, body.structured_output_param())
     native_tools = engine.tokenizer.template_renders_tools
@@ -48,16 +48,22 @@ async def create_chat_completion(request: Request) -> Response:
     generation.start()
     head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options
         roles = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None,
                                  finish_reason=None)
                  for i in range(len(generation.choices))]  # the role first, as OpenAI does
         chunk = functools.partial(ChatChunk, **head)
         streams = [ToolCallStream(tools) for _ in generation.choices] if tools is not None else None
-        return EventStreamResponse(event_stream(generation, chunk, include_usage, _choice(texts, streams), roles),
-                                   generation, write_timeout=state.config.stream_write_timeout)
+        stream = event_stream(generation, chunk, options is not None and options.include_usage,
+                              _choice(texts, streams), roles,
+                              continuous_usage=options is not None and options.continuous_usage_stats)
+        return EventStreamResponse(stream, generation, write_timeout=state.config.stream_write_timeout)
     await run_to_end(generation, request)
-    return JSONResponse(_response(generation, head, texts, tools).dump())
+    response = _response(generation, head, texts, tools)
+    scored = generation.choices[0].prompt_logprobs  # one prompt: every choice carries the same
+    if body.prompt_logprobs is not None and scored is not None:
+        response.prompt_logprobs = prompt_logprobs(state.token_texts, scored, body.prompt_logprobs)
+    return JSONResponse(response.dump())
 
 
 def _choice(texts: TokenTexts | None, streams: list[ToolCallStream] | None):

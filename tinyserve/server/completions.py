@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompt as a string, a list of strings, token ids, or a list of token id lists."""
+"""POST /v1/completions: prompt as a string, a list of strings, token ids, or a list of token id lists;
+with echo, each prompt's text (and its tokens' logprobs) comes before its choices' own (max_tokens 0: only it)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from fastapi.responses import JSONResponse, Response
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
 from tinyserve.server.intake import (check_model, compile_structured_output, encode_prompt, parse_body,
                                      require_api_key, server_state, validate_prompt)
-from tinyserve.server.logprobs import TokenTexts, completion_logprobs
+from tinyserve.server.logprobs import TokenTexts, completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
 from tinyserve.server.protocol import CompletionRequest, limits_context
-from tinyserve.server.responses import (CompletionChoice, CompletionChunk, CompletionResponse,
+from tinyserve.server.responses import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
                                         CompletionResponseChoice)
-from tinyserve.types import RequestOutput
+from tinyserve.types import RequestOutput, TokenLogprob
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -28,7 +29,7 @@ async def create_completion(request: Request) -> Response:
     engine = state.admit()
     body = await parse_body(request, CompletionRequest, limits_context(state.config))
     check_model(state, body.model)
-    params = body.to_sampling_params()
+    params = body.with_defaults(body.to_sampling_params(), state.sampling_defaults)
     await compile_structured_output(engine, params, body.structured_output_param())
     prompts = [p if isinstance(p, list) else await encode_prompt(state, engine, p) for p in body.prompt]
     for ids in prompts:
@@ -36,40 +37,79 @@ async def create_completion(request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = Generation(engine, request_id, prompts, params, body.priority, arrival,
                             state.config.request_timeout, request.state.request_id, body.cache_salt)
-    texts = state.token_texts if params.logprobs is not None else None
+    texts = state.token_texts
+    echo = _Echo(body, prompts, texts) if body.echo else None
     head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     # again, counting every sample, with no await before queueing: the awaits above let other requests in
     state.admit(len(prompts) * params.n)
     generation.start()
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        choice = _choice(texts, [0] * len(generation.choices))
+        options = body.stream_options
+        choice = _choice(texts if body.logprobs is not None else None, params.n, echo)
         chunk = functools.partial(CompletionChunk, **head)
-        return EventStreamResponse(event_stream(generation, chunk, include_usage, choice), generation,
-                                   write_timeout=state.config.stream_write_timeout)
+        stream = event_stream(generation, chunk, options is not None and options.include_usage, choice,
+                              continuous_usage=options is not None and options.continuous_usage_stats)
+        return EventStreamResponse(stream, generation, write_timeout=state.config.stream_write_timeout)
     await run_to_end(generation, request)
-    return JSONResponse(_response(generation, head, texts).dump())
+    return JSONResponse(_response(generation, head, texts, body, echo).dump())
 
 
-def _choice(texts: TokenTexts | None, offsets: list[int]):
-    """Streaming: one output -> one choice delta (offsets: each choice's text offset so far)."""
+class _Echo:
+    """echo: each prompt's text before its choices' text and, with logprobs, its tokens' logprobs before
+    theirs (the first token's null), the completion's text offsets counting from the prompt's start."""
+
+    def __init__(self, body: CompletionRequest, prompts: list[list[int]], texts: TokenTexts):
+        self.prompts, self.texts, self.k = prompts, texts, body.logprobs
+        # the prompt as sent; token ids are decoded as they are, special tokens included
+        self.prompt_texts = [p if isinstance(p, str) else texts.tokenizer.decode(p, skip_special_tokens=False)
+                             for p in body.prompt]
+
+    def logprobs(self, prompt_index: int, prompt_logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        """The prompt's part of a choice's logprobs; None when not asked, or when the run ended before its
+        prompt was computed (an abort)."""
+        if self.k is None or prompt_logprobs is None:
+            return None
+        return echoed_prompt_logprobs(self.texts, self.prompts[prompt_index], prompt_logprobs, self.k)
+
+
+def _choice(texts: TokenTexts | None, n: int, echo: _Echo | None):
+    """Streaming: one output -> one choice delta; with echo a choice's first one starts with its prompt."""
+    offsets: dict[int, int] = {}  # each choice's text offset so far (with echo: set by its first output)
+
     def choice(index: int, out: RequestOutput) -> CompletionChoice | None:
-        if not out.new_text and not out.finished and not out.logprobs:
+        is_echo_start = echo is not None and index not in offsets
+        if not is_echo_start and not out.new_text and not out.finished and not out.logprobs:
             return None  # the detokenizer is holding text back (partial character or stop-string prefix)
-        logprobs = None
+        text, logprobs = out.new_text, None
+        if is_echo_start:
+            prompt_text = echo.prompt_texts[index // n]
+            text, logprobs = prompt_text + text, echo.logprobs(index // n, out.prompt_logprobs)
+            offsets[index] = len(prompt_text)
         if texts is not None and out.logprobs:
-            logprobs = completion_logprobs(texts, out.logprobs, offsets[index])
-            offsets[index] += sum(map(len, logprobs.tokens))
+            generated = completion_logprobs(texts, out.logprobs, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(map(len, generated.tokens))
+            logprobs = generated if logprobs is None else logprobs + generated
         reason = out.finish_reason.value if out.finished else None
-        return CompletionChoice(index=index, text=out.new_text, logprobs=logprobs, finish_reason=reason)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
 
     return choice
 
 
-def _response(generation: Generation, head: dict, texts: TokenTexts | None) -> CompletionResponse:
-    choices = [
-        CompletionResponseChoice(index=index, text="".join(c.text), finish_reason=c.finish_reason,
-                                 logprobs=completion_logprobs(texts, c.logprobs, 0) if texts is not None else None)
-        for index, c in enumerate(generation.choices)
-    ]
+def _response(generation: Generation, head: dict, texts: TokenTexts, body: CompletionRequest,
+              echo: _Echo | None) -> CompletionResponse:
+    n = generation.params.n
+    choices = []
+    for index, c in enumerate(generation.choices):
+        text, logprobs, offset = "".join(c.text), None, 0
+        if echo is not None:
+            prompt_text = echo.prompt_texts[index // n]
+            text, logprobs, offset = prompt_text + text, echo.logprobs(index // n, c.prompt_logprobs), len(prompt_text)
+        if body.logprobs is not None:
+            generated = completion_logprobs(texts, c.logprobs, offset)
+            logprobs = generated if logprobs is None else logprobs + generated
+        reported = None
+        if body.prompt_logprobs is not None and c.prompt_logprobs is not None:
+            reported = prompt_logprobs(texts, c.prompt_logprobs, body.prompt_logprobs)
+        choices.append(CompletionResponseChoice(index=index, text=text, finish_reason=c.finish_reason,
+                                                logprobs=logprobs, prompt_logprobs=reported))
     return CompletionResponse(**head, choices=choices, usage=generation.usage())

@@ -101,7 +101,8 @@ def bad_request_from_validation(exc: ValidationError | RequestValidationError) -
         msg = "field required"
     elif first["type"] == "model_type" and not loc:
         msg = "the request body must be a JSON object"
-    return BadRequest(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+    code = "unknown_parameter" if first["type"] == "unknown_parameter" else "invalid_value"  # protocol's own type
+    return BadRequest(f"{param}: {msg}" if param else msg, param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

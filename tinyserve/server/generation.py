@@ -46,6 +46,7 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # its prompt's, when asked for (engine: first output)
 
 
 class Generation:
@@ -133,6 +134,8 @@ class Generation:
         choice.num_tokens += len(out.new_token_ids)
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             choice.finish_reason = out.finish_reason.value
             choice.error = out.error
@@ -185,13 +188,14 @@ async def run_to_end(generation: Generation, request: Request) -> None:
 
 async def event_stream(generation: Generation, chunk: Callable[..., CompletionChunk | ChatChunk],
                        include_usage: bool, choice: Callable[[int, RequestOutput], BaseModel | None],
-                       prelude: Iterable[BaseModel] = ()) -> AsyncIterator[bytes]:
+                       prelude: Iterable[BaseModel] = (), continuous_usage: bool = False) -> AsyncIterator[bytes]:
     """SSE chunks: `chunk(choices=..., usage=...)` around `prelude` choices, then `choice(index, output)`
-    for each output (None: nothing to send), the usage chunk if asked, and `[DONE]`. An error after the
-    stream started becomes an `error` event before `[DONE]`."""
+    for each output (None: nothing to send), the usage chunk if asked, and `[DONE]`. With `continuous_usage`
+    every chunk carries the whole request's usage so far. An error after the stream started becomes an
+    `error` event before `[DONE]`."""
     def event(choices: list, usage: UsageInfo | None = None) -> bytes:
-        body = chunk(choices=choices, usage=usage).dump()
-        if not include_usage:
+        body = chunk(choices=choices, usage=generation.usage() if continuous_usage else usage).dump()
+        if not (include_usage or continuous_usage):
             del body["usage"]
         return sse(body)
 

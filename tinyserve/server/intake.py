@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.server.errors import BadRequest, NotFound, Unauthorized, bad_request_from_validation
-from tinyserve.server.protocol import entry_caps
+from tinyserve.server.protocol import entry_caps, refuse_unknown_fields
 from tinyserve.server.state import ServerState
 from tinyserve.types import InvalidRequest, SamplingParams
 
@@ -46,13 +46,20 @@ async def require_api_key(request: Request) -> None:
 
 
 async def parse_body(request: Request, model: type[M], context: dict[str, Any] | None = None) -> M:
-    """`context` reaches the model's validators (protocol.limits_context: the server's size caps).
+    """`context` reaches the model's validators (protocol.limits_context: the server's size caps) and
+    says whether fields the model does not declare are refused (a 400 naming the first) or ignored.
 
     NOTE: a large body is parsed to Python objects first, then validated: `model_validate_json` hands a
     list to a "before" validator only after converting the whole JSON tree again, so a size cap checked
     there cost ~10x the parse on a 100,000-message body. Strict validation accepts the same in both
     modes; small bodies keep JSON mode for its error wording ("a valid array", not "a valid list")."""
     body = await request.body()
+    parsed = _validate(body, model, context)
+    refuse_unknown_fields(parsed, context)
+    return parsed
+
+
+def _validate(body: bytes, model: type[M], context: dict[str, Any] | None) -> M:
     try:
         if len(body) < _PARSE_FIRST_BYTES:
             return model.model_validate_json(body, context=context)
@@ -109,9 +116,14 @@ async def encode_prompt(state: ServerState, engine: AsyncEngine, text: str) -> l
 async def encode_chat(state: ServerState, engine: AsyncEngine, messages: list[dict],
                       add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """The conversation's prompt ids, rendered and encoded in a worker thread. Special-token text in
-    content is encoded as text unless the server trusts its clients (allow_special_tokens_in_messages)."""
+    content is encoded as text, and in a name refused, unless the server trusts its clients
+    (allow_special_tokens_in_messages)."""
     check_fits(state, engine, sum(len(m["content"]) for m in messages), "messages")
     trusted = state.config.allow_special_tokens_in_messages
+    for i, message in enumerate(messages):  # a template may render a name as it is, special tokens and all
+        if not trusted and engine.tokenizer.has_special_text(message.get("name", "")):
+            raise BadRequest(f"messages[{i}].name: must not spell a special token (the server's "
+                             "--allow-special-tokens-in-messages allows it)", param=f"messages[{i}].name")
     try:
         return await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt, trusted, tools)
     except ValueError as exc:  # the template's own message, e.g. roles that must alternate

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 from tinyserve.loader.tokenizer import Tokenizer
-from tinyserve.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from tinyserve.server.responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                        PromptLogprobs, TopLogprob)
 from tinyserve.types import TokenLogprob
 
 
@@ -58,3 +61,33 @@ def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> ChatLogpro
     return ChatLogprobs(content=[
         ChatTokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
         for lp in logprobs])
+
+
+def echoed_prompt_logprobs(texts: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprob],
+                           k: int) -> CompletionLogprobs:
+    """An echoed prompt's tokens in the legacy format (offsets from 0): `logprobs` are the engine's for
+    prompt tokens 1.. (top k or more, best first), so the first token's logprob and top are null."""
+    assert len(logprobs) == len(prompt_ids) - 1, (len(logprobs), len(prompt_ids))
+    tokens = [texts.text(t) for t in prompt_ids]
+    offsets = [0, *itertools.accumulate(map(len, tokens[:-1]))]
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None] + [_finite(lp.logprob) for lp in logprobs],
+        top_logprobs=[None] + [{texts.text(t): _finite(v) for t, v in lp.top[:k]} for lp in logprobs],
+        text_offset=offsets,
+    )
+
+
+def prompt_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], k: int) -> PromptLogprobs:
+    """vLLM's format: null for the first prompt token, then per token {id: {logprob, rank, decoded_token}} of
+    the token itself and of the top k (ranks 1..k), the token first."""
+    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, PromptLogprob]:
+        return str(token_id), PromptLogprob(logprob=_finite(logprob), rank=rank, decoded_token=texts.text(token_id))
+
+    entries: PromptLogprobs = [None]
+    for lp in logprobs:
+        position = dict([entry(lp.token_id, lp.logprob, lp.rank)])
+        for rank, (token_id, logprob) in enumerate(lp.top[:k], start=1):
+            position.setdefault(*entry(token_id, logprob, rank))
+        entries.append(position)
+    return entries

@@ -2,10 +2,14 @@
 
 Decisions (the malformed-input tests assert them):
 - Types are strict: "0.5" is not a number, true is not an integer, 1.0 is not an integer.
-- Unknown fields are accepted and ignored, as OpenAI's own SDKs and vLLM tolerate them (clients send
-  newer fields such as `store` or `metadata`); fields we know but cannot honour, and that would change
-  what the client gets (`echo`, `suffix`, `best_of` != n, `tools`, `functions`, non-text content
-  parts), are a 400 naming the field. Structured-output fields: server/constraints.py.
+- No field is accepted in silence: every field a model here declares is honoured, or accepted as a no-op
+  only where doing nothing is its meaning here (each says why: `user`, `metadata`, ...), or refused with a
+  400 naming it for the values we cannot honour (`store: true`, `suffix`, `best_of` != n, `functions`,
+  non-text content parts). A field no model declares (nested ones included: `stream_options.x`,
+  `messages[0].x`) is a 400 naming it with code `unknown_parameter`, unless the server runs with
+  --allow-unknown-fields (ServerConfig.allow_unknown_fields), for clients that send other servers' extras.
+  Structured-output fields: server/constraints.py; tools: server/tools.py.
+- Sampling fields a body leaves out (absent or null) get the server's defaults (`with_defaults`).
 - Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
 - Sizes are capped before any per-item work: prompts per completion and messages per chat come from the
   server's config, passed as the validation context (`limits_context`), and are checked before pydantic
@@ -14,12 +18,14 @@ Decisions (the malformed-input tests assert them):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
-from tinyserve.config import ServerConfig
+from tinyserve.config import SamplingDefaults, ServerConfig
 from tinyserve.server.constraints import ResponseFormat, StructuredOutputsField, structured_output_of
 from tinyserve.server.errors import BadRequest
 from tinyserve.server.tools import NamedToolChoice, ToolCall, ToolDefinition, ToolPlan
@@ -31,9 +37,37 @@ MAX_CACHE_SALT_CHARS = 256
 MAX_DETOKENIZE_TOKENS = 1_000_000
 
 
-def limits_context(config: ServerConfig) -> dict[str, int]:
-    """The validation context that carries the server's request-size caps to the validators below."""
-    return {"max_prompts": config.max_prompts_per_request, "max_messages": config.max_messages}
+def limits_context(config: ServerConfig) -> dict[str, Any]:
+    """The validation context that carries the server's request-size caps (and whether unknown fields are
+    ignored) to the validators below and to refuse_unknown_fields."""
+    return {"max_prompts": config.max_prompts_per_request, "max_messages": config.max_messages,
+            "allow_unknown_fields": config.allow_unknown_fields}
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """Every field of a validated body, and of the models nested in it, that no model declares, named as
+    the client wrote it ('stream_options.foo', 'messages[2].foo'). Extra fields are kept (extra="allow")
+    so that they can be named here."""
+    names = [prefix + name for name in body.model_extra or {}]
+    for name in body.model_fields_set:
+        value = getattr(body, name)
+        if isinstance(value, BaseModel):
+            names += unknown_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    names += unknown_fields(item, f"{prefix}{name}[{i}].")
+    return names
+
+
+def refuse_unknown_fields(body: BaseModel, context: dict[str, Any] | None) -> None:
+    """400 naming the first unknown field, unless the server ignores them (allow_unknown_fields)."""
+    if (context or {}).get("allow_unknown_fields"):
+        return
+    unknown = unknown_fields(body)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field; this server does not implement it (a server started "
+                         "with --allow-unknown-fields ignores such fields)", param=unknown[0], code="unknown_parameter")
 
 
 def entry_caps(model: type[BaseModel], context: dict[str, int] | None) -> dict[str, int]:
@@ -50,11 +84,15 @@ def _limit(info: ValidationInfo, name: str) -> int | None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # kept to be named: refuse_unknown_fields
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    # OpenAI pads chunks with an `obfuscation` field against length side channels; clients discard it,
+    # so sending none is what a client asking either way gets in effect: a no-op
+    include_obfuscation: bool = True
 
 
 class _SamplingFields(_Strict):
@@ -76,10 +114,12 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top k
     priority: int = 0  # lower runs first
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the provider's abuse monitoring; none here: a no-op
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks (tenants)
     # structured output, as each family of clients spells it (server/constraints.py): at most one
     response_format: ResponseFormat | None = None
@@ -130,6 +170,8 @@ class _SamplingFields(_Strict):
         """Raises BadRequest naming the field (as the client spelled it, via `renames`)."""
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come whole, in the response
+            raise BadRequest("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:  # before converting every key
             raise BadRequest(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
                              param="logit_bias")
@@ -147,7 +189,8 @@ class _SamplingFields(_Strict):
             n=self.n, top_k=None if self.top_k in (-1, 0) else self.top_k, logit_bias=logit_bias or None,
             seed=self.seed, stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            logprobs=logprobs, structured_output=structured,
+            logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_output=structured,
         )
         try:
             return SamplingParams(max_tokens=max_tokens, **fields)
@@ -156,12 +199,22 @@ class _SamplingFields(_Strict):
             message = exc.message.replace(exc.param, param, 1) if exc.param else exc.message
             raise BadRequest(message, param=param, code=exc.code) from None
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top k of the prompt logprobs the engine computes (None: none): those asked for."""
+        return self.prompt_logprobs
+
+    def with_defaults(self, params: SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+        """`params` with the server's default for each sampling field this body left out (absent or null; a
+        top_k of -1 or 0 is given: it asks for no cut). An explicit field always wins."""
+        missing = {name: value for name, value in defaults.as_fields().items() if getattr(self, name) is None}
+        return dataclasses.replace(params, **missing) if missing else params
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 with echo: score the prompt, generate nothing (lm-eval's loglikelihood)
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the completion's
     suffix: str | None = None
     best_of: int | None = None
 
@@ -189,9 +242,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("must not be empty")
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs reports the prompt tokens' logprobs too, and echo with max_tokens 0 only them."""
+        if not self.echo or (self.logprobs is None and self.max_tokens != 0):
+            return self.prompt_logprobs
+        return max(self.prompt_logprobs or 0, self.logprobs or 0)
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise BadRequest("echo is not supported", param="echo", code="unsupported_parameter")
         if self.suffix:
             raise BadRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != self.n:
@@ -209,7 +266,7 @@ class ChatMessage(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any) -> str | None:
+    def _content(cls, value: Any, info: ValidationInfo) -> str | None:
         if value is None or isinstance(value, str):
             return value
         if isinstance(value, list):
@@ -220,6 +277,10 @@ class ChatMessage(_Strict):
                     raise ValueError(f"part {i} is of type {kind!r}; only text parts are supported")
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"part {i} needs a string 'text'")
+                unknown = sorted(set(part) - {"type", "text"})
+                if unknown and not (info.context or {}).get("allow_unknown_fields"):
+                    raise PydanticCustomError("unknown_parameter", "part {i} has the unknown field '{name}'",
+                                              {"i": i, "name": unknown[0]})
                 texts.append(part["text"])
             return "\n".join(texts)
         raise ValueError("must be a string or a list of text parts")
@@ -243,7 +304,10 @@ class ChatMessage(_Strict):
             written = [f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
                        "</tool_call>" for c in self.tool_calls]
             return {"role": role, "content": "\n".join(([content] if content else []) + written)}
-        return {"role": role, "content": content}
+        message = {"role": role, "content": content}
+        if self.name is not None:  # the participant's name, for the templates that render it
+            message["name"] = self.name
+        return message
 
 
 def _json_or_text(text: str) -> Any:
@@ -261,7 +325,40 @@ def _at_most_max_messages(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatBookkeepingFields(_Strict):
+    """OpenAI chat fields about the provider's records, not the completion: honoured as far as they apply
+    to a server that keeps no records and has one tier; the values that ask for more are refused."""
+
+    store: bool | None = None  # OpenAI keeps the completion for its dashboards; we keep nothing (false only)
+    metadata: dict[str, str] | None = None  # tags for stored completions: none are stored, a no-op
+    service_tier: str | None = None  # one tier here: "auto" and "default" are it; others are refused
+    safety_identifier: str | None = None  # as `user`: an id for abuse monitoring; none here, a no-op
+    prompt_cache_key: str | None = None  # a routing hint for OpenAI's prompt cache; one cache here, a no-op
+    modalities: list[str] | None = None  # text is the only output: ["text"], or refused
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("this server stores no completions; only false is supported")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"this server has one tier; only 'auto' and 'default' are supported, got {value!r}")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise ValueError(f"only ['text'] is supported, got {value!r}")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: up to the model's context
     max_completion_tokens: int | None = None

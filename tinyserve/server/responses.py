@@ -48,9 +48,24 @@ class UsageInfo(_Body):
 
 class CompletionLogprobs(_Body):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token (it has no context)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+    def __add__(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        """The entries of `self` then `other` (echo: the prompt's, then the completion's)."""
+        return CompletionLogprobs(**{name: getattr(self, name) + getattr(other, name) for name in type(self).model_fields})
+
+
+class PromptLogprob(_Body):
+    """One entry of vLLM's prompt_logprobs: [null, {"<token id>": {logprob, rank, decoded_token}, ...}, ...]."""
+
+    logprob: float
+    rank: int  # 1: the most likely token at its position
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class TopLogprob(_Body):
@@ -85,6 +100,7 @@ class CompletionResponseChoice(_Body):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = None  # left out unless asked for (vLLM's field)
 
 
 class _Head(_Body):
@@ -100,6 +116,13 @@ class CompletionResponse(_Head):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+
+    def dump(self) -> dict:
+        body = self.model_dump()
+        for choice in body["choices"]:
+            if choice["prompt_logprobs"] is None:
+                del choice["prompt_logprobs"]
+        return body
 
 
 class CompletionChunk(_Head):
@@ -150,6 +173,13 @@ class ChatResponse(_Head):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # left out unless asked for (vLLM's field)
+
+    def dump(self) -> dict:
+        body = self.model_dump()
+        if body["prompt_logprobs"] is None:
+            del body["prompt_logprobs"]
+        return body
 
 
 class ChatDelta(_Body):
@@ -185,6 +215,16 @@ class ChatChunk(_Head):
 
 # the small endpoints
 
+class SamplingDefaultsInfo(_Body):
+    """The sampling fields a request that leaves them out gets (config.SamplingDefaults)."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None  # null: no top-k cut
+    min_p: float
+    repetition_penalty: float
+
+
 class ModelCard(_Body):
     id: str
     object: Literal["model"] = "model"
@@ -192,6 +232,7 @@ class ModelCard(_Body):
     owned_by: str = "tinyserve"
     root: str
     max_model_len: int | None
+    default_sampling_params: SamplingDefaultsInfo | None  # null until the model has loaded
 
 
 class ModelList(_Body):

@@ -16,8 +16,8 @@ from tinyserve.server.intake import (check_model, encode, encode_chat, parse_bod
                                      server_state)
 from tinyserve.server.metrics import CONTENT_TYPE
 from tinyserve.server.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
-from tinyserve.server.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse,
-                                        VersionResponse)
+from tinyserve.server.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList,
+                                        SamplingDefaultsInfo, TokenizeResponse, VersionResponse)
 from tinyserve.server.state import ServerState
 from tinyserve.types import SamplingParams
 
@@ -30,7 +30,10 @@ _THREAD_DETOKENIZE_TOKENS = 8192  # longer /detokenize requests are checked and 
 
 def _model_card(state, name: str) -> ModelCard:
     # root is the served name, never the --model string: that may be a path on the server's disk
-    return ModelCard(id=name, created=state.created, root=state.model_name, max_model_len=state.max_model_len)
+    defaults = state.sampling_defaults
+    info = None if defaults is None else SamplingDefaultsInfo(**defaults.as_fields())
+    return ModelCard(id=name, created=state.created, root=state.model_name, max_model_len=state.max_model_len,
+                     default_sampling_params=info)
 
 
 @api.get("/v1/models")
@@ -66,7 +69,7 @@ async def tokenize(request: Request) -> dict:
 async def detokenize(request: Request) -> dict:
     state = server_state(request)
     engine = state.check_ready()
-    body = await parse_body(request, DetokenizeRequest)
+    body = await parse_body(request, DetokenizeRequest, limits_context(state.config))
     check_model(state, body.model)
     vocab = engine.engine.model_config.vocab_size
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.config import EngineConfig, SamplingDefaults, ServerConfig
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.engine.stats import EngineStats
 from tinyserve.server.errors import BadRequest, ServiceUnavailable
@@ -46,6 +46,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.token_texts: TokenTexts | None = None  # logprobs' token strings, memoised for the app's life
         self.max_model_len: int | None = None  # known once the engine is built
+        self.sampling_defaults: SamplingDefaults | None = None  # the engine's, for fields requests leave out
         self.on_fatal: Callable[[], None] | None = None  # set by the launcher: exit when loading fails
         self._engine_factory = engine_factory
         self._load_task: asyncio.Task | None = None
@@ -63,6 +64,7 @@ class ServerState:
             engine = await AsyncEngine.launch(self._build_engine, stall_timeout=self.config.stall_timeout)
             llm_engine = engine.engine
             self.max_model_len = llm_engine.max_model_len
+            self.sampling_defaults = llm_engine.sampling_defaults
             self.engine = engine
             if self.config.warmup:
                 await self._warm_up()
