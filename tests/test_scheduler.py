@@ -50,14 +50,14 @@ class FakeRunner:
                 self.kv[(block_id, pos % BLOCK_SIZE)] = request.all_token_ids[pos]
             if start + num_new == request.num_tokens:
                 context = [self.kv[(table[p // BLOCK_SIZE], p % BLOCK_SIZE)] for p in range(request.num_tokens)]
-                sampled[request] = self.model(context, request.index)
+                sampled[request] = [self.model(context, request.index)]
         for request in output.outgrown:  # the engine's part: it finishes what outgrew the pool
             request.finish_reason = FinishReason.LENGTH
         updates = self.scheduler.update(output, sampled)
-        for request, reason in updates:
+        for request, reason, _ in updates:
             if reason is not None:
                 finish(self.scheduler, request, reason)
-        return output, output.outgrown + [request for request, _ in updates]
+        return output, output.outgrown + [request for request, _, _ in updates]
 
     def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
         outputs = []
@@ -288,7 +288,7 @@ def test_finishing_from_outside_the_step():
     output = scheduler.schedule()
     assert stopped.block_table == [] and [r.request_id for r, _ in output.scheduled] == ["b"]
     abort(scheduler, aborted)  # while the step runs: update must skip it
-    assert scheduler.update(output, {aborted: 7}) == [] and aborted.num_output_tokens == 1
+    assert scheduler.update(output, {aborted: [7]}) == [] and aborted.num_output_tokens == 1
     assert_all_free(scheduler)
 
 

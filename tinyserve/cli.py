@@ -12,8 +12,8 @@ from pathlib import Path
 from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, DatasetConfig, OfflineBenchConfig,
                                     ServeBenchConfig, SweepConfig)
 from tinyserve.config import (DEFAULT_MODEL, DTYPES, GENERATION_CONFIG_SOURCES, LLAMA_CPP_SAMPLING_DEFAULTS,
-                              QUANTIZATIONS, SAMPLING_DEFAULT_FIELDS, CacheConfig, EngineConfig, SchedulerConfig,
-                              ServerConfig)
+                              QUANTIZATIONS, SAMPLING_DEFAULT_FIELDS, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
+                              SchedulerConfig, ServerConfig, SpeculativeConfig)
 
 # Every default below is read from the config dataclasses (tinyserve/config.py, tinyserve/bench/config.py),
 # so that the command line, tinyserve.LLM and the configs cannot drift apart.
@@ -39,6 +39,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=EngineConfig.seed)
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+    s = parser.add_argument_group("speculative decoding (lossless: the output is the model's own)")
+    s.add_argument("--speculative-method", default=SpeculativeConfig.method, choices=SPECULATIVE_METHODS,
+                   help="ngram: propose what followed the sequence's latest earlier n-gram (prompt lookup); "
+                        "pays off when the output copies the input (default: off)")
+    s.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
+                   metavar="K", help="proposed tokens per sequence and step, at most")
+    s.add_argument("--ngram-min", type=int, default=SpeculativeConfig.ngram_min)
+    s.add_argument("--ngram-max", type=int, default=SpeculativeConfig.ngram_max)
+    s.add_argument("--speculative-disable-batch-size", type=int, default=SpeculativeConfig.disable_by_batch_size,
+                   metavar="N", help="no proposals in a step with more than N running sequences")
 
 
 def _generation_config_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +83,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len),
+        speculative=SpeculativeConfig(
+            method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+            ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+            disable_by_batch_size=args.speculative_disable_batch_size),
     )
 
 

@@ -187,6 +187,39 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+SpeculativeMethod = Literal["ngram"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py): a proposer guesses up to num_speculative_tokens next
+    tokens of each decoding sequence, one forward verifies them, and rejection sampling keeps the longest
+    accepted run plus one token of the target's, so the output is the target's alone (lossless)."""
+
+    method: SpeculativeMethod | None = None  # None: off; "ngram": prompt lookup over the sequence itself
+    num_speculative_tokens: int = 4  # proposed tokens per sequence and step, at most
+    # n-gram lookup: the longest suffix of ngram_max .. ngram_min tokens that occurred before proposes
+    # what followed its latest earlier occurrence
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # a step with more running sequences than this proposes nothing: the batch already fills the linears
+    # (vLLM's disable_by_batch_size); None: always propose
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min and ngram_max must satisfy 1 <= min <= max, got "
+                             f"{self.ngram_min}, {self.ngram_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
     """The sampling fields a request that leaves them out gets (named as SamplingParams' fields); an explicit
@@ -213,6 +246,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # the default sampling fields: from the checkpoint ("auto") or neutral ("vllm"), then these fields
     # (SamplingDefaults' names; top_k -1 or 0 means no cut) over them
     generation_config: GenerationConfigSource = "auto"

@@ -58,12 +58,12 @@ class Faults:
                 self._detokenizer_armed = True
             return step()
 
-        def faulty_new_text(request):
+        def faulty_new_text(request, position):
             if self._detokenizer_armed:
                 self._detokenizer_armed = False
                 self.num_detokenizer_errors += 1
                 raise RuntimeError("injected detokenizer error")
-            return new_text(request)
+            return new_text(request, position)
 
         faults = self
 

@@ -19,6 +19,7 @@ from tinyserve.bench.datasets import SampleRequest
 from tinyserve.bench.metrics import RequestResult
 
 FAILED_FINISH_REASONS = ("error", "abort")
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 class StreamingClient:
@@ -54,6 +55,24 @@ class StreamingClient:
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise BenchError(f"cannot list the server's models at {url} ({exc!r}); pass --model") from exc
         return self.model
+
+    async def spec_decode_counters(self) -> dict[str, float] | None:
+        """The server's speculative-decoding counters from GET /metrics, summed over models (tinyserve's
+        and vLLM's names), or None when it exposes none (speculation off, or no /metrics)."""
+        try:
+            response = await self.http.get(self.config.base_url.rstrip("/") + "/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        totals: dict[str, float] = {}
+        for line in response.text.splitlines():
+            name, _, value = line.partition(" ")
+            name = name.split("{", 1)[0]
+            for prefix in ("tinyserve:spec_decode_", "vllm:spec_decode_"):
+                key = name.removeprefix(prefix).removesuffix("_total")
+                if name.startswith(prefix) and key in SPEC_DECODE_COUNTERS:
+                    totals[key] = totals.get(key, 0.0) + float(value.split()[0])
+        return totals or None
 
     def body(self, request: SampleRequest) -> dict:
         body = {"model": self.model, "max_tokens": request.output_len, "temperature": self.config.temperature,

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 from tinyserve.config import DEFAULT_MODEL, CacheConfig, DType, EngineConfig, Quantization, SchedulerConfig
 
-DatasetName = Literal["random", "prefix-repetition", "sharegpt"]
+DatasetName = Literal["random", "prefix-repetition", "sharegpt", "copy"]
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
 SLO_KEYS = ("ttft", "tpot", "e2el")  # goodput service-level objectives, in milliseconds
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
@@ -32,6 +32,8 @@ class DatasetConfig:
     suffixes of `input_len` tokens (a prefix-caching workload).
     sharegpt: the first user turn of each conversation in `path`; the reply's length is the output
     length unless `output_len` is set.
+    copy: an instruction to repeat or lightly edit a shipped passage, then the passage (outputs that copy
+    their input, prompt lookup's evaluation); the output length is the passage's unless `output_len` is set.
     """
 
     name: DatasetName = "random"
@@ -48,7 +50,7 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
-            raise ValueError(f"dataset must be random, prefix-repetition or sharegpt, got {self.name!r}")
+            raise ValueError(f"dataset must be one of {', '.join(DATASET_NAMES)}, got {self.name!r}")
         _positive("num_prompts", self.num_prompts)
         _positive("input_len", self.input_len, allow_zero=self.name == "random" and self.prefix_len > 0)
         if self.output_len is not None:

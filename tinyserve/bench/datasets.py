@@ -180,10 +180,34 @@ def sharegpt_requests(builder: PromptBuilder, config: DatasetConfig) -> list[Sam
     return requests
 
 
+COPY_PASSAGES = Path(__file__).parent / "data" / "copy_passages.txt"
+COPY_INSTRUCTIONS = (
+    "Repeat the following text exactly, word for word.\n\nText:\n{passage}\n\nRepeated text:\n",
+    "Copy the text below without changing anything.\n\n{passage}\n\nCopy:\n",
+    "Rewrite the following text, keeping every sentence but writing 'the' in capitals as 'THE'.\n\n"
+    "{passage}\n\nRewritten:\n",
+)
+
+
+def copy_requests(builder: PromptBuilder, config: DatasetConfig) -> list[SampleRequest]:
+    """Prompts whose answer copies most of their input: an instruction around one of the shipped passages
+    (blank-line separated), chosen at random."""
+    passages = [p.strip() for p in COPY_PASSAGES.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    rng = np.random.default_rng(config.seed)
+    requests = []
+    for _ in range(config.num_prompts):
+        passage = passages[rng.integers(len(passages))]
+        prompt = COPY_INSTRUCTIONS[rng.integers(len(COPY_INSTRUCTIONS))].format(passage=passage)
+        requests.append(SampleRequest(prompt, builder.count(prompt), config.output_len or builder.count(passage) + 8))
+    return requests
+
+
 def build_requests(config: DatasetConfig, tokenizer: Tokenizer) -> list[SampleRequest]:
     builder = PromptBuilder(tokenizer)
     if config.name == "random":
         return random_requests(builder, config)
     if config.name == "prefix-repetition":
         return prefix_repetition_requests(builder, config)
+    if config.name == "copy":
+        return copy_requests(builder, config)
     return sharegpt_requests(builder, config)

@@ -35,6 +35,9 @@ class ServeRun:
     duration_s: float  # first request due -> last stream over
     client_cpu_s: float  # CPU seconds of this process during the timed run
     metrics: ServeMetrics
+    # the server's speculative decoding over the timed run (its /metrics counters, after minus before):
+    # num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_rate, mean_accepted_length
+    spec_decode: dict[str, float] | None = None
 
     @property
     def client_cpu_share(self) -> float:
@@ -93,13 +96,25 @@ async def run_serve_async(config: ServeBenchConfig, requests: list[SampleRequest
         if config.num_warmups:
             await _warm_up(client, requests, config.num_warmups)
         progress = ProgressBar(len(requests), label, enabled=config.show_progress)
+        before = await client.spec_decode_counters()
         try:
             results, start, duration, cpu = await _timed_run(client, requests, config, progress)
         finally:
             progress.close()
+        spec_decode = _spec_decode_over_run(before, await client.spec_decode_counters())
     count_output_tokens(results, tokenizer)
     metrics = compute_metrics(results, duration, config.goodput_slos_ms)
-    return ServeRun(config, model, results, start, duration, cpu, metrics)
+    return ServeRun(config, model, results, start, duration, cpu, metrics, spec_decode)
+
+
+def _spec_decode_over_run(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if after is None:
+        return None
+    delta = {key: value - (before or {}).get(key, 0.0) for key, value in after.items()}
+    drafts, draft_tokens, accepted = (delta.get(k, 0.0) for k in ("num_drafts", "num_draft_tokens",
+                                                                   "num_accepted_tokens"))
+    return {**delta, "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0}
 
 
 def run_serve(config: ServeBenchConfig, requests: list[SampleRequest], tokenizer=None,
@@ -140,6 +155,7 @@ def run_record(run: ServeRun) -> dict:
         "model": run.model,
         "config": config,
         "metrics": asdict(run.metrics),
+        "spec_decode": run.spec_decode,
         "client": {"cpu_s": run.client_cpu_s, "wall_s": run.duration_s, "cpu_share": run.client_cpu_share,
                    "num_with_usage": sum(r.usage_completion_tokens is not None for r in run.results)},
         "timeline": {"bin_s": bin_s, "output_tokens_per_s": output_token_timeline(run.results, run.start,
@@ -161,4 +177,7 @@ def summary_line(run: ServeRun) -> dict:
         "itl_median_ms": round(m.itl_ms.median, 2), "e2el_median_ms": round(m.e2el_ms.median, 2),
         "goodput": None if m.goodput is None else round(m.goodput, 3),
         "client_cpu_share": round(run.client_cpu_share, 4),
+        **({} if run.spec_decode is None else {
+            "spec_acceptance_rate": round(run.spec_decode["acceptance_rate"], 4),
+            "spec_mean_accepted_length": round(run.spec_decode["mean_accepted_length"], 3)}),
     })

@@ -34,6 +34,7 @@ from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
 from tinyserve.engine.scheduler import Scheduler
+from tinyserve.engine.speculative import NgramProposer
 from tinyserve.engine.stats import EngineStats
 from tinyserve.engine.structured_output import StructuredOutputs
 from tinyserve.loader.model_loader import LoadedModel, load_model
@@ -74,6 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
                                   fill_bitmask=self.structured_outputs.fill_bitmask)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.proposer = (NgramProposer(config.speculative, max_model_len)
+                         if config.speculative.method == "ngram" else None)
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its unfinished samples' group
         self.num_steps = 0
         self.num_failed_requests = 0
@@ -154,7 +157,7 @@ class LLMEngine:
         finals = []
         for request in group.unfinished if group is not None else []:
             self._release(request, FinishReason.ABORT)
-            finals.append(self._output_of(request, None, None))
+            finals.append(self._output_of(request, None))
         return finals
 
     def set_paused(self, request_id: str, paused: bool) -> None:
@@ -175,6 +178,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> detokenize -> release -> outputs, in step order."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         try:
             result = self._execute(plan)
@@ -183,18 +188,22 @@ class LLMEngine:
         except Exception as exc:
             return self._fail_batch(plan, exc)
         self._num_consecutive_failed_steps = 0
-        # (request, why it ended or None, its text delta or None when it got no token to show)
-        ends: list[tuple[Request, FinishReason | None, str | None]] = [
-            (request, FinishReason.LENGTH, None) for request in plan.outgrown]
-        for request, reason in self.scheduler.update(plan, result.sampled):
+        for num_proposed, num_accepted in result.proposals.values():
+            self.proposer.stats.count(num_proposed, num_accepted)
+        # (request, why it ended or None, its text delta or None when it got no token to show, new tokens)
+        ends: list[tuple[Request, FinishReason | None, str | None, int]] = [
+            (request, FinishReason.LENGTH, None, 0) for request in plan.outgrown]
+        for request, reason, num_new in self.scheduler.update(plan, result.sampled):
             if request.matcher is not None and reason is not FinishReason.ERROR:
+                assert num_new <= 1, "a constrained request never proposes"
                 reason = self._advance_matcher(request, reason)
-            ends.append(self._detokenize(request, reason))
+            ends.append(self._detokenize(request, reason, num_new))
         outputs = []
-        for request, reason, text in ends:
+        for request, reason, text, num_new in ends:
             if reason is not None:
                 self._release(request, reason)
-            outputs.append(self._output_of(request, text, result.logprobs.get(request)))
+            logprobs = result.logprobs.get(request)
+            outputs.append(self._output_of(request, text, num_new, logprobs[:num_new] if logprobs else None))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
@@ -221,18 +230,30 @@ class LLMEngine:
             return FinishReason.STOP
         return reason
 
-    def _detokenize(self, request: Request,
-                    reason: FinishReason | None) -> tuple[Request, FinishReason | None, str | None]:
-        """The request's new text; a completed stop string ends it with STOP, a failure with ERROR."""
+    def _detokenize(self, request: Request, reason: FinishReason | None,
+                    num_new: int) -> tuple[Request, FinishReason | None, str | None, int]:
+        """The text of the request's num_new new tokens, one token at a time: a token that completes a
+        stop string ends it with STOP and is its last (the tokens after it are dropped); a failure ends it
+        with ERROR."""
         if reason is FinishReason.ERROR:  # failed in the scheduler's update, which logged it
-            return request, reason, None
+            return request, reason, None, 0
+        text = ""
         try:
-            text, stop_hit = self.outputs.new_text(request)
+            for position in range(request.num_output_tokens - num_new, request.num_output_tokens):
+                delta, stop_hit = self.outputs.new_text(request, position)
+                text += delta
+                if stop_hit:
+                    num_dropped = request.num_output_tokens - position - 1
+                    del request.output_token_ids[position + 1 :]
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                    # a token that both ends the request (EOS, length) and completes a stop string keeps
+                    # the first reason; dropping tokens after it can only drop an end condition they met
+                    return request, FinishReason.STOP if reason is None or num_dropped else reason, text, \
+                        num_new - num_dropped
         except Exception:
             logger.exception("%s failed while its text was decoded", request)
-            return request, FinishReason.ERROR, None
-        # a token that both ends the request (EOS, length) and completes a stop string keeps the first reason
-        return request, FinishReason.STOP if stop_hit and reason is None else reason, text
+            return request, FinishReason.ERROR, None, 0
+        return request, reason, text, num_new
 
     def _release(self, request: Request, reason: FinishReason) -> None:
         """The one exit of a request: out of the scheduler (its blocks freed), its generator dropped, its
@@ -250,7 +271,8 @@ class LLMEngine:
         logger.debug("finished %s (%s, %d output tokens, %d blocks free)", request, reason.value,
                      request.num_output_tokens, self.block_manager.num_free_blocks)
 
-    def _output_of(self, request: Request, text: str | None, logprob: TokenLogprob | None) -> RequestOutput:
+    def _output_of(self, request: Request, text: str | None, num_new: int = 0,
+                   logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """The request's output for this step: its token and text delta (`text`), or, when it got no
         token to show (`text` None), the final output of a request ended from outside. A failure here
         fails the request alone."""
@@ -259,7 +281,7 @@ class LLMEngine:
                 return self.outputs.final_without_text(request, GENERATION_FAILED)
             if text is None:
                 return self.outputs.final_without_token(request)
-            return self.outputs.token_output(request, text, logprob)
+            return self.outputs.token_output(request, text, num_new, logprobs)
         except AssertionError:
             raise
         except Exception:
@@ -286,7 +308,7 @@ class LLMEngine:
         outputs = []
         for request, reason in ends:
             self._release(request, reason)
-            outputs.append(self._output_of(request, None, None))
+            outputs.append(self._output_of(request, None))
         if self._num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(f"{MAX_CONSECUTIVE_FAILED_STEPS} steps in a row failed in the batch stage") from exc
         return outputs
@@ -307,4 +329,5 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests,
             num_paused=self.scheduler.num_paused,
+            spec_decode=self.proposer.stats.copy() if self.proposer is not None else None,
         )

@@ -8,6 +8,7 @@ completely here, before the forward; the layers only read it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tinyserve.engine import rejection_sampler
 from tinyserve.engine.request import Request
 from tinyserve.engine.sampler import Sampler, TokenMasks, prompt_token_logprobs
 from tinyserve.layers.attention_metadata import AttentionMetadata
@@ -33,11 +35,15 @@ PROMPT_LOGITS_ROWS = 128
 
 @dataclass
 class StepResult:
-    sampled: dict[Request, int]  # the next token of each request whose chunk reached its last token
-    logprobs: dict[Request, TokenLogprob]  # for sampled requests that asked for logprobs
+    # the new tokens of each request whose chunk reached its last token: one, or with proposed tokens the
+    # accepted ones and the target's next
+    sampled: dict[Request, list[int]]
+    logprobs: dict[Request, list[TokenLogprob]]  # one per new token, for requests that asked for logprobs
     # for requests that need prompt logprobs: those of the prompt tokens after this step's chunk positions,
     # in order, continuing Request.prompt_logprobs
     prompt_logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
+    # for requests that proposed tokens: (proposed, accepted)
+    proposals: dict[Request, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -54,8 +60,11 @@ class _Batch:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
+    # [num_sample_rows] the rows whose logits are sampled: each sampled sequence's last known token, then
+    # its proposed tokens (if any), in order
+    sample_rows: torch.Tensor
     sampled_requests: list[Request]
+    proposals: list[list[int]]  # per sampled request, the proposed tokens this step verifies (often none)
     prompt_spans: list[_PromptSpan]
 
 
@@ -95,11 +104,19 @@ class ModelRunner:
         prompt_logprobs = {span.request: self._score_prompt(hidden, span) for span in batch.prompt_spans}
         if not requests:
             return StepResult({}, {}, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sample_rows, vocab]
+        if any(batch.proposals):  # constrained requests never propose: one row each, found by row offset
+            first_rows = list(itertools.accumulate((1 + len(p) for p in batch.proposals), initial=0))
+            constrained_rows = [first_rows[i] for i in constrained]
+            masks = TokenMasks(pending_masks.result(), constrained_rows) if pending_masks is not None else None
+            out = rejection_sampler.verify(self.sampler, logits, requests, batch.proposals, masks)
+            return StepResult(dict(zip(requests, out.token_ids)),
+                              {r: lp for r, lp in zip(requests, out.logprobs) if lp is not None}, prompt_logprobs,
+                              {r: (len(p), a) for r, p, a in zip(requests, batch.proposals, out.num_accepted) if p})
         masks = TokenMasks(pending_masks.result(), constrained) if pending_masks is not None else None
         out = self.sampler(logits, requests, masks)
-        logprobs = {r: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(requests, out.next_token_ids)), logprobs, prompt_logprobs)
+        logprobs = {r: [lp] for r, lp in zip(requests, out.logprobs) if lp is not None}
+        return StepResult({r: [t] for r, t in zip(requests, out.next_token_ids)}, logprobs, prompt_logprobs)
 
     def _score_prompt(self, hidden: torch.Tensor, span: _PromptSpan) -> list[TokenLogprob]:
         """The logprobs of the prompt tokens a span's rows predict, PROMPT_LOGITS_ROWS rows at a time."""
@@ -123,13 +140,16 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seq_lens, query_lens, tables, sample_rows, sampled, prompt_spans = [], [], [], [], [], []
+        proposals: list[list[int]] = []
         bs = self.block_size
         for i in order:
             request, num_new = scheduled[i]
             table = request.block_table
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
+            proposal = request.spec_token_ids  # positions num_tokens.. (the scheduler fit them to the chunk)
+            assert end == request.num_tokens + len(proposal) or (not proposal and end < request.num_tokens)
+            input_ids.extend(request.all_token_ids[start : end - len(proposal)] + proposal)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
@@ -142,9 +162,10 @@ class ModelRunner:
                     row = len(input_ids) - num_new + first - start
                     prompt_spans.append(_PromptSpan(request, row, request.prompt_token_ids[first + 1 : last + 1]))
             # the chunk reaches the last known token: sample the next one (max_tokens 0 only scores the prompt)
-            if end == request.num_tokens and request.sampling_params.max_tokens != 0:
-                sample_rows.append(len(input_ids) - 1)
+            if end - len(proposal) == request.num_tokens and request.sampling_params.max_tokens != 0:
+                sample_rows.extend(range(len(input_ids) - 1 - len(proposal), len(input_ids)))
                 sampled.append(request)
+                proposals.append(proposal)
         device = self.device
         meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
                                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=device,
@@ -155,5 +176,6 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
             sampled_requests=sampled,
+            proposals=proposals,
             prompt_spans=prompt_spans,
         )

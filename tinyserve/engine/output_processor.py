@@ -22,20 +22,23 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def new_text(request: Request) -> tuple[str, bool]:
-        """Text delta for the token a request just got, and whether it completed a stop string."""
+    def new_text(request: Request, position: int) -> tuple[str, bool]:
+        """Text delta for the request's output token at `position` (the next it has not decoded), and
+        whether it completed a stop string."""
         detok = request.detokenizer
-        text = detok.step(request.output_token_ids[-1:])
+        text = detok.step(request.output_token_ids[position : position + 1])
         return text, detok.stop_hit is not None
 
     @staticmethod
-    def token_output(request: Request, text: str, logprobs: TokenLogprob | None) -> RequestOutput:
-        """The output carrying the request's new token; for a finished request also its held text (unless
-        a stop string cut it) and its usage."""
+    def token_output(request: Request, text: str, num_new: int,
+                     logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        """The output carrying the request's num_new new tokens; for a finished request also its held text
+        (unless a stop string cut it) and its usage."""
         detok = request.detokenizer
         if request.is_finished and detok.stop_hit is None:
             text += detok.flush()
-        return _output(request, text, request.output_token_ids[-1:], [logprobs] if logprobs else None)
+        return _output(request, text, request.output_token_ids[len(request.output_token_ids) - num_new:],
+                       logprobs or None)
 
     @staticmethod
     def final_without_token(request: Request, error: str | None = None) -> RequestOutput:

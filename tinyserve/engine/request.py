@@ -75,6 +75,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob] | None = None
     has_sent_prompt_logprobs: bool = False  # its first output after the prompt was computed carried them
     detokenizer: IncrementalDetokenizer | None = None
+    # proposed next tokens for the coming step (engine/speculative.py), computed after num_tokens and
+    # verified by that step; set anew before every step
+    spec_token_ids: list[int] = field(default_factory=list)
     add_order: int = 0  # set by the scheduler: breaks arrival-time ties
 
     @property

@@ -181,10 +181,12 @@ class Scheduler:
         return output
 
     def update(self, scheduler_output: SchedulerOutput,
-               sampled: dict[Request, int]) -> list[tuple[Request, FinishReason | None]]:
+               sampled: dict[Request, list[int]]) -> list[tuple[Request, FinishReason | None, int]]:
         """Apply one executed step. `sampled` maps each request whose chunk reached its last known token
-        to its new token. Returns (request, stop condition or None) for each request that got a token,
-        in step order: EOS, a stop token id or a length limit; the engine finishes those. A request of
+        to its new tokens (one, or with speculation its accepted proposals and the target's token).
+        Returns (request, stop condition or None, number of new tokens kept) for each request that got
+        tokens, in step order. The tokens are applied one by one and the first that meets a stop condition
+        (EOS, a stop token id, a length limit) is the last kept; the engine finishes those. A request of
         max_tokens 0 gets no token: it comes back with LENGTH once its prompt is computed.
 
         A request whose update raises (other than a broken invariant) comes back with ERROR alone, its
@@ -195,31 +197,43 @@ class Scheduler:
             if request.is_finished:
                 continue
             try:
-                if self._apply(request, num_new, sampled, now):
-                    updates.append((request, self._stop_reason(request) if request.output_token_ids
-                                    else FinishReason.LENGTH))
+                update = self._apply(request, num_new, sampled, now)
+                if update is not None:
+                    updates.append((request, *update))
             except AssertionError:
                 raise
             except Exception:
                 logger.exception("%s failed while its step was applied", request)
-                updates.append((request, FinishReason.ERROR))
+                updates.append((request, FinishReason.ERROR, 0))
         return updates
 
-    def _apply(self, request: Request, num_new: int, sampled: dict[Request, int], now: float) -> bool:
-        """One request's part of update; True if it got a token."""
-        request.num_computed_tokens += num_new
+    def _apply(self, request: Request, num_new: int, sampled: dict[Request, list[int]],
+               now: float) -> tuple[FinishReason | None, int] | None:
+        """One request's part of update: (stop condition or None, tokens kept) if it got tokens."""
+        num_proposed = len(request.spec_token_ids)
+        request.spec_token_ids = []
+        request.num_computed_tokens += num_new - num_proposed  # proposals' KV counts once accepted
         assert request.num_computed_tokens <= request.num_tokens
         is_sampled = request.num_computed_tokens == request.num_tokens
         if is_sampled and request.sampling_params.max_tokens == 0:  # prompt scored, nothing to generate
             self.block_manager.cache_full_blocks(request)
-            return True
-        if is_sampled:
-            assert request in sampled, f"no sampled token for {request}"
-            request.output_token_ids.append(sampled[request])
-            if request.first_token_time is None:
-                request.first_token_time = now
+            return FinishReason.LENGTH, 0
+        if not is_sampled:
+            self.block_manager.cache_full_blocks(request)
+            return None
+        assert request in sampled, f"no sampled token for {request}"
+        reason, num_kept = None, 0
+        for token_id in sampled[request]:
+            request.output_token_ids.append(token_id)
+            num_kept += 1
+            if (reason := self._stop_reason(request)) is not None:
+                break
+        # every kept token but the last was a proposal the step computed: its KV is valid
+        request.num_computed_tokens = request.num_tokens - 1
+        if request.first_token_time is None:
+            request.first_token_time = now
         self.block_manager.cache_full_blocks(request)
-        return is_sampled
+        return reason, num_kept
 
     def _schedule_running(self, output: SchedulerOutput) -> None:
         # decodes (one token left to compute) before prompt chunks: sorted() is stable, so admission order
@@ -232,9 +246,21 @@ class Scheduler:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running {request} has nothing to compute"
+            if request.spec_token_ids:
+                num_new += self._fit_proposal(request, budget - num_new)
             if not self._allocate_or_preempt(request, num_new, output):
                 break
             self._add_scheduled(output, request, num_new)
+
+    def _fit_proposal(self, request: Request, budget: int) -> int:
+        """Cut a decode's proposed tokens to the step's budget left and to the free blocks (a proposal never
+        preempts anyone); returns how many stay."""
+        proposal = request.spec_token_ids[:budget]
+        num_decode = request.num_tokens - request.num_computed_tokens
+        if proposal and not self.block_manager.can_allocate(request, num_decode + len(proposal)):
+            proposal = []
+        request.spec_token_ids = proposal
+        return len(proposal)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Get the request's blocks for num_new tokens, preempting others as needed. False if it was the
@@ -259,6 +285,7 @@ class Scheduler:
             output.outgrown.append(request)  # the engine finishes it with LENGTH in this step
             return
         num_blocks = len(request.block_table)
+        request.spec_token_ids = []
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class EngineStats:
     num_steps: int
     num_failed_requests: int = 0  # finished with FinishReason.ERROR since start-up
     num_paused: int = 0  # set aside until their slow reader catches up; not in num_waiting
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: a copy of its counters
 
 
 @dataclass
@@ -34,6 +35,44 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters since start-up, named as vLLM's: a draft is one sequence's proposal
+    in one step (of 1 or more tokens); accepted tokens are proposals the target kept (the token the target
+    adds after them is not counted)."""
+
+    num_speculative_tokens: int  # proposals per draft, at most
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [num_speculative_tokens]: drafts whose proposal at position i was accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def count(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a draft step emits on average: accepted proposals plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_speculative_tokens, self.num_drafts, self.num_draft_tokens,
+                               self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tinyserve.engine.stats import LoopStats
-from tinyserve.engine.stats import EngineStats
+from tinyserve.engine.stats import EngineStats, LoopStats, SpecDecodeStats
 from tinyserve.types import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -71,6 +70,26 @@ class _EngineStatsCollector:
             counter = CounterMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
+        if stats.spec_decode is not None:
+            yield from _spec_decode_counters(label, stats.spec_decode)
+
+
+def _spec_decode_counters(label: list[str], spec: SpecDecodeStats) -> Iterator[Metric]:
+    """vLLM's names: acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts."""
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Speculative proposals verified (one per sequence and step).", spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
+        counter.add_metric(label, value)
+        yield counter
+    per_position = CounterMetricFamily("tinyserve:spec_decode_num_accepted_tokens_per_pos",
+                                       "Proposals accepted at each position of a draft (0 first).",
+                                       labels=["model_name", "position"])
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        per_position.add_metric([*label, str(position)], value)
+    yield per_position
 
 
 class ServerMetrics:
@@ -111,8 +130,9 @@ class ServerMetrics:
             if out.new_token_ids:
                 num_new += len(out.new_token_ids)
                 last = self._last_token_time.get(key)
-                if last is not None:
-                    self.itl.observe(now - last)
+                if last is not None:  # several tokens at once (speculation) share the wait between them
+                    for _ in out.new_token_ids:
+                        self.itl.observe((now - last) / len(out.new_token_ids))
                 self._last_token_time[key] = now
             if out.finished:
                 self._last_token_time.pop(key, None)
