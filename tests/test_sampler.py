@@ -91,6 +91,28 @@ def test_top_k_draws_follow_renormalized_top_k():
     assert_draws_follow(draw_counts(SMALL_LOGITS, SamplingParams(top_k=4)), probs)
 
 
+def test_top_k_then_top_p_then_min_p_draws_follow_the_cuts_in_order():
+    """top-k 6 renormalised, then top-p 0.8 of that, then min-p 0.4 of what is left (the candidate path)."""
+    probs = torch.softmax(SMALL_LOGITS, dim=0)
+    probs[6:] = 0  # logits are sorted descending
+    probs = reference_top_p(probs / probs.sum(), 0.8)
+    assert int((probs > 0).sum()) == 4
+    probs[probs < 0.4 * probs.max()] = 0
+    assert int((probs > 0).sum()) == 3
+    params = SamplingParams(top_k=6, top_p=0.8, min_p=0.4)
+    assert_draws_follow(draw_counts(SMALL_LOGITS, params), probs)
+
+
+def test_top_k_keeps_exactly_k_tokens_whatever_the_batch():
+    """Tied logits at the k-th: a row keeps exactly its k, even beside a row with a larger k."""
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]] * 2)
+    requests = [make_request(SamplingParams(top_k=2), request_id="a"),
+                make_request(SamplingParams(top_k=5), request_id="b")]
+    kept = torch.isfinite(process_logits(logits, requests)).sum(dim=-1).tolist()
+    assert kept == [2, 5]
+    assert torch.isfinite(process_logits(logits[:1], requests[:1])).sum().item() == 2
+
+
 def test_top_p_draws_follow_nucleus():
     probs = reference_top_p(torch.softmax(SMALL_LOGITS, dim=0), 0.6)
     assert int((probs > 0).sum()) == 3
@@ -275,9 +297,10 @@ def run_steps(sampler: Sampler, target: Request, others: list[Request], row: int
     return target.output_token_ids
 
 
-def test_seeded_request_is_reproducible_whatever_the_batch():
+@pytest.mark.parametrize("cuts", [{}, {"top_k": 40, "top_p": 0.95, "min_p": 0.05}, {"top_p": 0.9}])
+def test_seeded_request_is_reproducible_whatever_the_batch(cuts):
     def target(seed=42):
-        return make_request(SamplingParams(temperature=1.0, seed=seed), request_id="target")
+        return make_request(SamplingParams(temperature=1.0, seed=seed, **cuts), request_id="target")
 
     alone = run_steps(Sampler(seed=0), target(), [], row=0)
     other_params = [SamplingParams(), SamplingParams(seed=7), SamplingParams(temperature=0.0),
