@@ -182,31 +182,25 @@ def test_llm_generate_without_params_uses_the_defaults(smollm2_loaded):
     assert (params.top_k, params.temperature, params.max_tokens) == (1, 0.8, 3)
 
 
-@pytest.fixture(scope="module")
-def default_server():
-    """`tinyserve serve` as configured by default (dtype auto, --generation-config auto) on the default model."""
-    srv = BackgroundServer(EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.25),
-                                        scheduler=SchedulerConfig(max_model_len=2048)),
-                           ServerConfig(port=0, warmup=False)).start()
-    yield srv
-    srv.stop()
-
-
-def test_readme_chat_example_names_paris(default_server):
-    """README's chat example, with a seed and no sampling field, so the model's defaults (llama.cpp's for
-    this GGUF) decide. They do not make every seed right on this 135M Q4_1 model: its first token is
-    nearly a tie ('The' 0.152, 'L' 0.140, 'La' 0.104 in float32), and from 'L' it goes on in French
-    ("L'Etoile, la Marseillaise, ...") without naming Paris. Measured over seeds 0-19 through this server:
-    15 name Paris (all but 1, 10, 13, 15, 16) in bfloat16 (the default mode on a CPU with bf16 kernels) and
-    in float32 alike, against 9 with the neutral temperature-1 defaults they replace (--generation-config
-    vllm); seeds 0-4 alone give 4 of 5 (seed 1 fails), too few to tell the two apart. Only greedy
-    (temperature 0) names Paris on every seed."""
-    named = []
-    for seed in range(20):
-        r = httpx.post(default_server.base_url + "/v1/chat/completions", timeout=120, json={
-            "model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 32, "seed": seed})
-        assert r.status_code == 200, r.text
-        named.append("Paris" in r.json()["choices"][0]["message"]["content"])
-    print(f"seeds naming Paris: {sum(named)} of 20; not: {[s for s, ok in enumerate(named) if not ok]}")
-    assert sum(named) >= 14, named
+def test_readme_chat_example_names_paris_on_most_seeds():
+    """README's chat question with no sampling field, so the model's defaults (llama.cpp's for this GGUF)
+    decide; 64 seeds in one batch of the engine as `tinyserve serve` configures it (dtype auto). The issue's
+    bar (Paris on each of 5 seeds) is not met by sampling on this 135M Q4_1 model: its first token is nearly
+    a tie ('The' 0.152, 'L' 0.140, 'La' 0.104 in float32), and from 'L' it goes on in French without
+    naming Paris. Measured over seeds 0-199 in float32: 121 name Paris (61%), 128 with the sampler before
+    its top-k candidates path (the same distribution; the draws differ), so 5 seeds out of 5 happen about
+    0.61^5 = 8% of the time. Only greedy names Paris on every seed. This asserts the measured rate, well
+    under it (30 of 64, 2.3 sd below 61%), so that a broken default (neutral temperature 1 gave 9 of 20) fails."""
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.25),
+                                    scheduler=SchedulerConfig(max_num_seqs=64, max_model_len=512)))
+    assert engine.sampling_defaults == SamplingDefaults(**LLAMA_CPP)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    for seed in range(64):
+        engine.add_validated(str(seed), prompt, engine.default_sampling_params(max_tokens=32, seed=seed))
+    texts: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
+    named = sorted(int(i) for i, text in texts.items() if "Paris" in text)
+    print(f"seeds naming Paris: {len(named)} of 64")
+    assert len(named) >= 30, named

@@ -120,7 +120,10 @@ def _cut_full_rows(rows: list[int], logits: torch.Tensor, sps: list[SamplingPara
     step's only sort)."""
     device = logits.device  # the cuts are in place: the whole batch's adjusted logits, or a copy of rows
     top_p_rows = [j for j, p in enumerate(sps) if p.top_p < 1.0]
-    if top_p_rows:
+    if len(top_p_rows) == len(sps):
+        top_p = _column([p.top_p for p in sps], device)
+        _apply_top_p_sorted(logits, logits.sort(dim=-1, descending=True).values, top_p)
+    elif top_p_rows:
         index = torch.tensor(top_p_rows, device=device)
         sub = logits.index_select(0, index)  # [num_top_p, vocab]
         top_p = _column([sps[j].top_p for j in top_p_rows], device)
