@@ -115,3 +115,18 @@ def test_offline_workload_lengths_and_seed():
     assert workload == offline_workload(config)
     assert all(64 <= len(ids) <= 512 and 32 <= n <= 256 and max(ids) < 10_000 for ids, n in workload)
     assert workload != offline_workload(OfflineBenchConfig(num_prompts=50, seed=1))
+
+
+def test_copy_prompts_hold_a_shipped_passage_and_ask_for_it_back(tokenizer):
+    from tinyserve.bench.datasets import COPY_PASSAGES
+
+    passages = [p.strip() for p in COPY_PASSAGES.read_text().split("\n\n") if p.strip()]
+    assert len(passages) >= 5
+    requests = build_requests(DatasetConfig(name="copy", num_prompts=12, seed=1), tokenizer)
+    assert len(requests) == 12
+    for r in requests:
+        passage = next(p for p in passages if p in r.prompt)  # each prompt embeds one passage whole
+        assert r.prompt_len == len(tokenizer.encode(r.prompt, add_special_tokens=False))
+        assert r.output_len == len(tokenizer.encode(passage, add_special_tokens=False)) + 8  # the passage, copied
+    assert build_requests(DatasetConfig(name="copy", num_prompts=12, seed=1), tokenizer) == requests
+    assert build_requests(DatasetConfig(name="copy", num_prompts=3, output_len=5), tokenizer)[0].output_len == 5

@@ -271,3 +271,26 @@ def _reference_logits(loaded: LoadedModel, token_ids: torch.Tensor) -> torch.Ten
     while engine.has_unfinished_requests():
         engine.step()
     return rows[0]
+
+
+def test_metrics_and_bench_report_the_acceptance():
+    """/metrics exposes vLLM's counters (per position too); the bench client reads them back."""
+    from tinyserve.bench.serve import _spec_decode_over_run
+    from tinyserve.engine.stats import EngineStats, LoopStats, SpecDecodeStats
+    from tinyserve.server.metrics import ServerMetrics
+
+    spec = SpecDecodeStats(num_speculative_tokens=3)
+    spec.count(3, 2)
+    spec.count(2, 0)
+    stats = EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.1, num_free_blocks=9, num_blocks=10,
+                        num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_steps=2, spec_decode=spec)
+    loop = LoopStats(num_steps=2, step_seconds=0.1, overhead_seconds=0.0, max_gap_seconds=0.0)
+    text = ServerMetrics("m", 128, lambda: stats, lambda: loop).render().decode()
+    assert 'tinyserve:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'tinyserve:spec_decode_num_draft_tokens_total{model_name="m"} 5.0' in text
+    assert 'tinyserve:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    assert 'tinyserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+    assert spec.acceptance_rate == 0.4 and spec.mean_accepted_length == 2.0
+    run = _spec_decode_over_run({"num_drafts": 1.0, "num_draft_tokens": 3.0, "num_accepted_tokens": 2.0},
+                                {"num_drafts": 5.0, "num_draft_tokens": 19.0, "num_accepted_tokens": 10.0})
+    assert run["acceptance_rate"] == 0.5 and run["mean_accepted_length"] == 3.0

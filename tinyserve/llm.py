@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinyserve.config import CacheConfig, DType, EngineConfig, GenerationConfigSource, Quantization, SchedulerConfig
+from tinyserve.config import (CacheConfig, DType, EngineConfig, GenerationConfigSource, Quantization, SchedulerConfig,
+                              SpeculativeConfig)
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
@@ -62,7 +63,8 @@ class LLM:
                  num_kv_blocks: int | None = CacheConfig.num_blocks, block_size: int = CacheConfig.block_size,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, seed: int = EngineConfig.seed,
                  generation_config: GenerationConfigSource = EngineConfig.generation_config,
-                 override_generation_config: dict | None = None):
+                 override_generation_config: dict | None = None,
+                 speculative: SpeculativeConfig | None = None):
         config = EngineConfig(
             model=model, dtype=dtype, device=device, quantization=quantization, seed=seed,
             generation_config=generation_config, override_generation_config=override_generation_config or {},
@@ -70,6 +72,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
+            speculative=speculative or SpeculativeConfig(),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
