@@ -83,6 +83,9 @@ class StepLoop:
             for engine in engines:
                 if not engine.run_once():  # stopped or failed: it leaves the loop
                     self._detach(engine)
+            # NOTE: no reference may outlive the round: a detached engine (a model unloaded) is freed
+            # only once nothing holds it, and this thread may next wait for a long time
+            calls = engines = engine = fn = future = None
         for engine in engines:
             engine.detached.set()
         for _, future in self._calls:

@@ -177,23 +177,25 @@ class ModelSlot:
             logger.error("model %s: swap to %s failed, %s keeps serving: %s", self.name, source, self.source,
                          _reason(exc))
             raise
-        old, self.current, self.source = self.current, new, source  # the switch: new requests go to `new`
+        if self.current is not None:
+            self._draining.append(self.current)
+        self.current, self.source = new, source  # the switch: new requests go to `new`
         self.phase, self.error, self.last_used = "loaded", None, time.monotonic()
         logger.info("model %s: switched to %s; %d requests finish on the old weights", self.name, source,
-                    old.num_in_flight if old is not None else 0)
-        if old is not None:
-            await self._release(old, "swap")
+                    sum(m.num_in_flight for m in self._draining))
+        await self._release_draining("swap")
         self.metrics.metric_set.swap_seconds.labels(self.name).observe(time.perf_counter() - start)
         counter.labels(self.name, "ok").inc()
         logger.info("model %s: swap to %s done in %.2fs", self.name, source, time.perf_counter() - start)
 
     async def unload(self, reason: str) -> None:
         """Refuse new requests, let in-flight ones finish (up to drain_timeout), free the memory."""
-        old, self.current = self.current, None
+        if self.current is not None:
+            self._draining.append(self.current)
+        self.current = None
         if self.phase != "failed":
             self.phase = "unloaded"
-        if old is not None:
-            await self._release(old, reason)
+        await self._release_draining(reason)
 
     async def close(self, timeout: float, is_hurried: Callable[[], bool]) -> None:
         """Shutdown: drain every load of this slot (up to `timeout`), then stop their engines."""
@@ -202,8 +204,12 @@ class ModelSlot:
         await asyncio.gather(*(asyncio.to_thread(m.engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
                                for m in loads))
 
-    async def _release(self, old: LoadedModel, reason: str) -> None:
-        self._draining.append(old)
+    async def _release_draining(self, reason: str) -> None:
+        """Drain and free the load just moved to `_draining`. It is held only there (no caller keeps a
+        reference), so that once it leaves the list its memory is freed before the heap is trimmed."""
+        if not self._draining:
+            return
+        old = self._draining[-1]
         try:
             await drain(old, self.config.drain_timeout, lambda: False)
             await asyncio.to_thread(old.engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
