@@ -7,6 +7,7 @@ alone through tinyserve.LLM (greedy, so its text is the only right answer)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import httpx
@@ -161,6 +162,47 @@ def test_swap_serves_new_requests_from_the_new_file(folders, alone):
         assert _metric(srv.base_url, 'tinyserve:model_swaps_total{model_name="llama",outcome="ok"}') == 1
         bad = httpx.post(srv.base_url + "/admin/models/swap", json={"model": "llama", "path": "/no/such/file.gguf"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
+
+
+def test_a_failed_swap_leaves_the_old_weights_serving(folders, alone, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with _server({"llama": folders["llama"]}) as srv:
+        r = httpx.post(srv.base_url + "/admin/models/swap", json={"model": "llama", "path": str(broken)}, timeout=60)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "model_load_failed"
+        card = _cards(srv.base_url)["llama"]
+        assert card["state"] == "loaded" and card["error"] is None
+        assert asyncio.run(_one(srv.base_url, "llama", PROMPTS[0]))[0] == alone["llama"][PROMPTS[0]]
+        assert _metric(srv.base_url, 'tinyserve:model_swaps_total{model_name="llama",outcome="failed"}') == 1
+
+
+def test_past_the_drain_timeout_a_request_on_the_old_weights_ends_with_abort(folders):
+    with _server({"llama": folders["llama"]}, drain_timeout=0.2) as srv:
+        llm_engine = srv.state.registry.default.engine.engine
+        step = llm_engine.step
+        llm_engine.step = lambda: (time.sleep(0.02), step())[1]  # 200 tokens take 4 s: past the drain
+
+        async def go():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+                stream = asyncio.ensure_future(_complete(client, "llama", PROMPTS[2], stream=True, max_tokens=200))
+                while not srv.state.registry.default.num_in_flight:
+                    await asyncio.sleep(0.01)
+                r = await client.post("/admin/models/swap", json={"model": "llama", "path": folders["qwen"]})
+                return await stream, r
+
+        (text, reason), swapped = asyncio.run(go())
+        assert swapped.status_code == 200 and reason == "abort"  # ended, not hung, and said so
+
+
+def test_an_idle_model_is_unloaded_and_loads_again_on_demand(folders, alone):
+    with _server({"llama": folders["llama"]}, idle_unload=0.3) as srv:
+        deadline = time.monotonic() + 30
+        while _cards(srv.base_url)["llama"]["state"] != "unloaded":
+            assert time.monotonic() < deadline, "never unloaded"
+            time.sleep(0.05)
+        assert _metric(srv.base_url, 'tinyserve:model_unloads_total{model_name="llama",reason="idle"}') == 1
+        assert asyncio.run(_one(srv.base_url, "llama", PROMPTS[3]))[0] == alone["llama"][PROMPTS[3]]
+        assert _metric(srv.base_url, 'tinyserve:model_loads_total{model_name="llama",outcome="ok"}') == 2
 
 
 def test_a_corrupt_model_fails_alone(folders, alone, tmp_path):
