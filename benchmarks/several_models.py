@@ -10,7 +10,10 @@
 
 Prints one JSON line.
 
-    .venv/bin/python benchmarks/several_models.py [--concurrency 8] [--output-len 48] [--before-s 15]
+    .venv/bin/python benchmarks/several_models.py [--concurrency 8] [--output-len 48] [--before-s 15] [--rounds 2]
+        [--only-swap]
+
+(Run it as a server runs: not under OMP_NUM_THREADS=1, which the test suite sets.)
 """
 
 from __future__ import annotations
@@ -119,21 +122,28 @@ def main() -> None:
     engine = EngineConfig(model=path, cache=CacheConfig(kv_cache_memory_gib=0.25),
                           scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=32))
     parser.add_argument("--only-swap", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     result = {"load1": os.getloadavg()[0]}
     config = ServerConfig(port=0, served_model_names=("a",), models=(("b", path),), max_queue=None)
     with BackgroundServer(engine, config) as srv:
         registry = srv.state.registry
         result["load_s"] = round(registry.default.load_seconds, 2)
-        if args.only_swap:
+        if args.only_swap:  # and one model's throughput before and after it (a build's thread left behind?)
             asyncio.run(_unload(srv.base_url, "b"))
+            result["before_swap"] = asyncio.run(_throughput(srv.base_url, ["a"], args.concurrency, args.output_len))
             result["swap"] = asyncio.run(_swap_under_load(srv.base_url, args.concurrency, args.output_len,
                                                           args.before_s, path))
+            result["after_swap"] = asyncio.run(_throughput(srv.base_url, ["a"], args.concurrency, args.output_len))
             print(json.dumps(result))
             return
-        result["two_models"] = asyncio.run(_throughput(srv.base_url, ["a", "b"], args.concurrency, args.output_len))
-        result["one_model"] = asyncio.run(_throughput(srv.base_url, ["a"], args.concurrency, args.output_len))
-        result["one_model_2c"] = asyncio.run(_throughput(srv.base_url, ["a"], 2 * args.concurrency, args.output_len))
+        for name in ("two_models", "one_model", "one_model_2c"):
+            result[name] = []
+        for _ in range(args.rounds):  # interleaved, so that a shared machine's load falls on each alike
+            for name, models, concurrency in (("two_models", ["a", "b"], args.concurrency),
+                                              ("one_model", ["a"], args.concurrency),
+                                              ("one_model_2c", ["a"], 2 * args.concurrency)):
+                result[name].append(asyncio.run(_throughput(srv.base_url, models, concurrency, args.output_len)))
         memory, rss = registry.resolve("b").memory_bytes, _rss()
         asyncio.run(_unload(srv.base_url, "b"))
         result["unload_model_mib"], result["unload_rss_drop_mib"] = memory >> 20, (rss - _rss()) >> 20
