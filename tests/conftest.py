@@ -191,3 +191,30 @@ def record_logits():
         return recorder.rows
 
     return record
+
+
+def save_random_hf_checkpoint(folder, architecture: str, tokenizer, seed: int) -> str:
+    """A small random checkpoint of `architecture` (llama, qwen2) with `tokenizer`'s vocabulary, saved as
+    an HF folder the server can load (safetensors + the tokenizer's files)."""
+    transformers = pytest.importorskip("transformers")
+    model_class, config_class = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                                 "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[architecture]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, max_position_embeddings=256,
+                          tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():  # spread logits, so that greedy ties are rare
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def random_hf_folders(tmp_path_factory, hf_smollm2_tokenizer) -> dict[str, str]:
+    """Two random checkpoints of different architectures on the default model's tokenizer: llama, qwen."""
+    root = tmp_path_factory.mktemp("models")
+    return {"llama": save_random_hf_checkpoint(root / "llama", "llama", hf_smollm2_tokenizer, 1),
+            "qwen": save_random_hf_checkpoint(root / "qwen", "qwen2", hf_smollm2_tokenizer, 2)}

@@ -79,7 +79,8 @@ def test_health_reports_a_stalled_or_dead_engine():
             return self.stalled
 
     state = ServerState(EngineConfig(), ServerConfig(stall_timeout=5))
-    state.phase, state.engine = "ready", StubEngine()
+    state.phase = "ready"
+    _serve(state, StubEngine())
     assert state.is_healthy() == (True, "ok")
     state.engine.stalled = True
     assert state.is_healthy() == (False, "engine_stalled")
@@ -134,8 +135,17 @@ def _admission(num_running: int, num_waiting: int, max_queue: int = 4, max_num_s
 
     state = ServerState(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)),
                         ServerConfig(max_queue=max_queue))
-    state.phase, state.engine, state.metrics = "ready", _QueueStub(num_running, num_waiting), _RejectedCounter()
+    state.phase = "ready"
+    _serve(state, _QueueStub(num_running, num_waiting))
+    state.default.metrics = _RejectedCounter()
     return state
+
+
+def _serve(state, engine) -> None:
+    """The first model loaded, on `engine` (a stub of what admission and health read)."""
+    from types import SimpleNamespace
+
+    state.default.phase, state.default.current = "loaded", SimpleNamespace(engine=engine, num_in_flight=0)
 
 
 def test_admission_counts_every_sample_of_a_request():
@@ -156,7 +166,7 @@ def test_admission_counts_every_sample_of_a_request():
         idle.admit(5)
     assert (exc.value.status, exc.value.param, exc.value.code) == (400, "n", "too_many_samples")
     assert exc.value.message.startswith("n")
-    assert full.metrics.reasons == ["overloaded"] and idle.metrics.reasons == ["too_many_samples"]
+    assert full.default.metrics.reasons == ["overloaded"] and idle.default.metrics.reasons == ["too_many_samples"]
     assert _admission(0, 10**6, max_queue=None).admit(10**6) is not None  # no limit
 
 

@@ -20,10 +20,15 @@ from tinyserve.config import (DEFAULT_MODEL, DTYPES, GENERATION_CONFIG_SOURCES, 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=EngineConfig.model,
-                   help=f"alias ({DEFAULT_MODEL}), path to a .gguf file, or a Hugging Face checkpoint folder")
+    what = f"alias ({DEFAULT_MODEL}), path to a .gguf file, or a Hugging Face checkpoint folder"
+    if several_models:
+        g.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                       help=f"{what}; repeat it to serve several (each loaded at start-up, up to "
+                            "--max-loaded-models), NAME being what requests send (default: MODEL)")
+    else:
+        g.add_argument("--model", default=EngineConfig.model, help=what)
     g.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
     g.add_argument("--device", default=EngineConfig.device, help="auto, cpu, cuda, cuda:N")
     g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
@@ -74,8 +79,9 @@ def _json_object(text: str) -> dict:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = args.model if isinstance(args.model, str) else models_from_args(args)[0]  # serve: the first
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, seed=args.seed,
+        model=model, dtype=args.dtype, device=args.device, quantization=args.quantization, seed=args.seed,
         # only `serve` has these flags: `generate` and `chat` take their sampling from their own flags
         generation_config=getattr(args, "generation_config", EngineConfig.generation_config),
         override_generation_config=getattr(args, "override_generation_config", {}),
@@ -289,9 +295,28 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return key
 
 
+def _named_model(text: str) -> tuple[str | None, str]:
+    """NAME=MODEL -> (NAME, MODEL); a MODEL alone (or a path with a '=' in it) -> (None, MODEL)."""
+    name, sep, model = text.partition("=")
+    if not sep or not name or "/" in name or Path(text).exists():
+        return None, text
+    return name, model
+
+
+def models_from_args(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """serve's --model list -> (the first model, its served names, (name, model) of the others)."""
+    named = [_named_model(text) for text in (args.model or [EngineConfig.model])]
+    first_name, first = named[0]
+    names = tuple(args.served_model_name or ()) or ((first_name,) if first_name else ())
+    return first, names, tuple((name or model, model) for name, model in named[1:])
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    _, names, models = models_from_args(args)
     return ServerConfig(
-        host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+        host=args.host, port=args.port, served_model_names=names,
+        models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
+        memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
         api_key=api_key_from(args), max_queue=args.max_queue,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
@@ -342,6 +367,20 @@ def _add_serve_parser(sub) -> None:
     g.add_argument("--stall-timeout", type=float, default=ServerConfig.stall_timeout, metavar="S",
                    help="/health is 503 when work is pending and no step has finished for this long")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
+    m = serve.add_argument_group("several models (README 'Several models')")
+    m.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="also serve each .gguf file and Hugging Face folder in DIR (by its name), loaded on "
+                        "the first request that names it")
+    m.add_argument("--max-loaded-models", type=int, default=ServerConfig.max_loaded_models, metavar="N",
+                   help="at most N models loaded; loading another unloads the least recently used (default: no limit)")
+    m.add_argument("--memory-budget", type=float, default=ServerConfig.memory_budget_gib, metavar="GIB",
+                   help="weights + KV pools of the loaded models; each model's KV pool is its share "
+                        "(GIB / --max-loaded-models) minus its weights (default: no budget)")
+    m.add_argument("--idle-unload", type=float, default=ServerConfig.idle_unload, metavar="S",
+                   help="unload a model no request has used for S seconds (default: never)")
+    m.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout, metavar="S",
+                   help="swap / unload: in-flight requests get this long to finish on the old weights, "
+                        "then end with finish_reason abort")
     g.add_argument("--allow-unknown-fields", action="store_true",
                    help="ignore request fields this server does not implement (default: a 400 naming the "
                         "field, code unknown_parameter), for clients that send other servers' extras")
@@ -364,7 +403,7 @@ def _add_serve_parser(sub) -> None:
                         help="concurrent connections; requests beyond it get 503")
     limits.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout, metavar="S",
                         help="close a connection that has sent nothing for this long between requests")
-    add_engine_args(serve)
+    add_engine_args(serve, several_models=True)
     _generation_config_args(serve)
     serve.set_defaults(func=cmd_serve, log_level="info")
 

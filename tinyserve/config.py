@@ -304,6 +304,14 @@ class ServerConfig:
     body_read_timeout: float = 30.0  # seconds from a request's start to its last body byte; then 408
     max_connections: int = 2048  # concurrent connections (uvicorn limit_concurrency); beyond it 503
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this many seconds
+    # Several models (server/model_registry.py). `models` are (name, path) served beside the engine's
+    # model; `models_dir` is searched for more, loaded when first asked for.
+    models: tuple[tuple[str, str], ...] = ()
+    models_dir: str | None = None
+    max_loaded_models: int | None = None  # beyond it the least recently used idle model is unloaded
+    memory_budget_gib: float | None = None  # weights + KV pools of the loaded models; each gets its share
+    idle_unload: float | None = None  # seconds without a request after which a model is unloaded
+    drain_timeout: float = 30.0  # swap / unload: seconds in-flight requests get before they are aborted
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -312,12 +320,20 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.max_queue is not None and self.max_queue < 1:  # 0 would refuse every request (400)
             raise ValueError(f"max_queue must be >= 1 (or unset: no limit), got {self.max_queue}")
-        for name in ("request_timeout", "stall_timeout"):
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1 (or unset: no limit), got {self.max_loaded_models}")
+        names = [name for name, _ in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models: each name once, got {names}")
+        if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
+            raise ValueError(f"memory_budget_gib must be > 0 GiB, got {self.memory_budget_gib}")
+        for name in ("request_timeout", "stall_timeout", "idle_unload"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        for name in ("shutdown_timeout", "drain_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         for name in ("max_prompts_per_request", "max_messages", "max_connections"):

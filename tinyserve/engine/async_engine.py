@@ -10,7 +10,9 @@ back through `loop.call_soon_threadsafe`, one call per step.
 `launch` builds the LLMEngine on the engine thread itself, so that one thread runs all of torch's work.
 Why: each thread that runs a parallel op gets its own OpenMP team, and once libgomp manages more
 threads than there are cores it stops spinning between parallel regions, and each step got slower
-(docs/PERFORMANCE.md, "Numbers behind the code's comments").
+(docs/PERFORMANCE.md, "Numbers behind the code's comments"). That thread is a StepLoop
+(engine/step_loop.py): its own by default, or one shared by several engines (several models in one
+server), which it steps in turn.
 
 Bounds, so that no client can hold the server: each stream's buffer is bounded (engine/request_stream.py:
 a reader that falls behind pauses its request), a stream can be ended on the event loop without the engine
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.request_stream import RequestStream
 from tinyserve.engine.stats import EngineStats, LoopStats
+from tinyserve.engine.step_loop import StepLoop
 from tinyserve.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -73,17 +76,19 @@ class AsyncEngine:
     by `cancel()`). Registration and failing all streams hold `_streams_lock`, so a stream registered
     just as the engine dies is either refused or failed, never left waiting."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, step_loop: StepLoop):
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.step_loop = step_loop
         self._inbox: list[_Add | _Abort | _Pause] = []
         self._num_unapplied = 0  # samples posted in the inbox and not yet in engine.stats().num_waiting
-        self._wake = threading.Condition()
+        self._wake = step_loop.wake  # shared by every engine on the loop: a post wakes its thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._streams_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread = step_loop.thread
         self._stopping = False
         self._stopped = threading.Event()
+        self.detached = threading.Event()  # set by the loop once it no longer steps this engine
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()  # last step that ran (or idle moment)
         self._busy_since: float | None = None  # monotonic start of the iteration now running, if any
@@ -96,51 +101,44 @@ class AsyncEngine:
         self._last_step_end: float | None = None
 
     @classmethod
-    async def launch(cls, build: Callable[[], LLMEngine], stall_timeout: float | None = None) -> AsyncEngine:
-        """Build an engine with `build` on a new engine thread and run its step loop there; with a
-        `stall_timeout`, a watchdog fails every open stream once a step has run that long."""
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[AsyncEngine] = loop.create_future()
+    async def launch(cls, build: Callable[[], LLMEngine], stall_timeout: float | None = None,
+                     step_loop: StepLoop | None = None) -> AsyncEngine:
+        """Build an engine with `build` on the thread of `step_loop` (by default a new one of its own)
+        and step it there; with a `stall_timeout`, a watchdog fails every open stream once a step has
+        run that long."""
+        loop = step_loop if step_loop is not None else StepLoop(is_private=True)
 
-        def settle(result: AsyncEngine | None, error: BaseException | None) -> None:
-            if ready.done():  # the caller was cancelled
-                return
-            if error is not None:
-                ready.set_exception(error)
-            else:
-                ready.set_result(result)
-
-        def main() -> None:
-            try:
-                engine = cls(build())
-            except BaseException as exc:  # noqa: BLE001 - the caller gets it, whatever it is
-                loop.call_soon_threadsafe(settle, None, exc)
-                return
-            engine._thread = threading.current_thread()
+        def build_and_attach() -> AsyncEngine:
+            engine = cls(build(), loop)
             if stall_timeout is not None:
                 threading.Thread(target=engine._watch, args=(stall_timeout,), name="tinyserve-watchdog",
                                  daemon=True).start()
-            loop.call_soon_threadsafe(settle, engine, None)
-            engine._run()
+            loop.attach(engine)
+            return engine
 
-        threading.Thread(target=main, name="tinyserve-engine", daemon=True).start()
-        return await ready
+        try:
+            return await asyncio.wrap_future(loop.call(build_and_attach))
+        except BaseException:
+            if loop.is_private:
+                loop.stop()
+            raise
 
     def stop(self, join_timeout: float = 5.0) -> None:
-        """Stop the loop after its current step; streams still open get EngineDeadError. Waits at most
+        """Stop stepping after the current step; streams still open get EngineDeadError. Waits at most
         `join_timeout` seconds for a step in progress (a hung one is left to the daemon thread)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         self._stopped.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=join_timeout)
+        if self._thread is not threading.current_thread():
+            self.detached.wait(timeout=join_timeout)
+            if self.step_loop.is_private:
+                self._thread.join(timeout=join_timeout)
         self._fail_all(EngineDeadError("the engine stopped"))
 
     @property
     def is_alive(self) -> bool:
-        return (self.error is None and not self._stopping and self._thread is not None
-                and self._thread.is_alive())
+        return self.error is None and not self._stopping and not self.detached.is_set() and self._thread.is_alive()
 
     def is_stalled(self, timeout: float) -> bool:
         """One iteration of the loop (a step) has been running for more than `timeout` seconds."""
@@ -236,26 +234,36 @@ class AsyncEngine:
 
     # the engine thread
 
-    def _run(self) -> None:
+    def has_work(self) -> bool:
+        """Called by the loop holding `_wake`."""
+        return bool(self._inbox) or self._stopping or self.engine.has_schedulable_requests()
+
+    def mark_idle(self, now: float) -> None:
+        """Called by the loop holding `_wake` before it waits: an idle engine is not stalled."""
+        self.last_progress = now
+        self._last_step_end = None
+
+    def run_once(self) -> bool:
+        """The loop's turn for this engine: apply the inbox and run one step if there is work. False
+        once the engine is stopping or has failed, and the loop detaches it."""
+        with self._wake:
+            if self._stopping:
+                return False
+            inbox, self._inbox = self._inbox, []
+        if not inbox and not self.engine.has_schedulable_requests():
+            return True
+        self._busy_since = time.monotonic()
         try:
-            while True:
-                with self._wake:
-                    while not self._inbox and not self.engine.has_schedulable_requests() and not self._stopping:
-                        self.last_progress = time.monotonic()
-                        self._last_step_end = None
-                        self._wake.wait()
-                    if self._stopping:
-                        return
-                    inbox, self._inbox = self._inbox, []
-                self._busy_since = time.monotonic()
-                self._iterate(inbox)
-                self._busy_since = None
-        except BaseException as exc:  # noqa: BLE001 - any escape kills the loop: report it everywhere
+            self._iterate(inbox)
+        except BaseException as exc:  # noqa: BLE001 - any escape kills this engine: report it everywhere
             logger.exception("engine loop died")
             self._busy_since = None  # dead, not stalled
             with self._streams_lock:
                 self.error = exc
             self._fail_all(EngineDeadError("the engine failed"))
+            return False
+        self._busy_since = None
+        return True
 
     def _iterate(self, inbox: list[_Add | _Abort | _Pause]) -> None:
         """Apply the inbox, run one step if there is work, publish stats and outputs."""

@@ -55,3 +55,9 @@ def keep_freed_host_memory() -> bool:
     ok = _set_malloc(settings, trim=True)
     logger.debug("malloc tuned to keep freed memory: %s", ok)
     return ok
+
+
+def return_freed_host_memory() -> bool:
+    """After an engine is dropped (a model unloaded): hand glibc's free pages back to the kernel, which
+    the serving settings above would keep resident. False where the C library is not glibc."""
+    return _set_malloc((), trim=True)

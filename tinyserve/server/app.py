@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import tinyserve
 from tinyserve.config import EngineConfig, ServerConfig
-from tinyserve.server import chat, completions, routes
+from tinyserve.server import admin, chat, completions, routes
 from tinyserve.server.errors import install_error_handlers
 from tinyserve.server.middleware import RequestContextMiddleware
 from tinyserve.server.state import ServerState
@@ -20,8 +20,8 @@ from tinyserve.server.state import ServerState
 def build_app(engine_config: EngineConfig, config: ServerConfig,
               engine_factory: Callable[[EngineConfig], object] | None = None) -> FastAPI:
     """`engine_factory(engine_config) -> LLMEngine` replaces the default loader (tests share one loaded
-    model between apps). The model loads in the background once the app starts: /health is 503 until
-    the warm-up generation has run."""
+    model between apps; each model's engine_config names its source). The start-up models load in the
+    background once the app starts: /health is 503 until their warm-up generations have run."""
     state = ServerState(engine_config, config, engine_factory)
 
     @asynccontextmanager
@@ -36,7 +36,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
-    for router in (completions.router, chat.router, routes.api, routes.public):
+    for router in (completions.router, chat.router, routes.api, admin.router, routes.public):
         app.include_router(router)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (check_model, compile_structured_output, encode_chat, parse_body,
+from tinyserve.server.intake import (compile_structured_output, encode_chat, parse_body,
                                      require_api_key, server_state, validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs, prompt_logprobs
 from tinyserve.server.protocol import ChatCompletionRequest, limits_context
@@ -26,26 +26,29 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state = server_state(request)
-    engine = state.admit()
+    state.admit()
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
-    check_model(state, body.model)
-    params = body.with_defaults(body.to_sampling_params(), state.sampling_defaults)
-    tools = body.tool_plan()
-    await compile_structured_output(engine, params, body.structured_output_param())
-    native_tools = engine.tokenizer.template_renders_tools
-    messages = [m.as_template_message(native_tools) for m in body.messages]
-    if tools is not None and not native_tools:
-        messages = tools.with_fallback_prompt(messages)
-    template_tools = tools.template_kwargs()["tools"] if tools is not None and native_tools else None
-    prompt_ids = await encode_chat(state, engine, messages, body.add_generation_prompt, template_tools)
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival,
-                            state.config.request_timeout, request.state.request_id, body.cache_salt)
-    texts = state.token_texts if params.logprobs is not None else None
-    state.admit(params.n)  # again, counting every sample, with no await before queueing (see completions)
-    generation.start()
+    loaded = await state.acquire(body.model, arrival)  # 404, or loads the model on demand
+    engine = loaded.engine
+    with loaded.pending():  # a swap or unload waits for this request until its stream is open
+        params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
+        tools = body.tool_plan()
+        await compile_structured_output(engine, params, body.structured_output_param())
+        native_tools = engine.tokenizer.template_renders_tools
+        messages = [m.as_template_message(native_tools) for m in body.messages]
+        if tools is not None and not native_tools:
+            messages = tools.with_fallback_prompt(messages)
+        template_tools = tools.template_kwargs()["tools"] if tools is not None and native_tools else None
+        prompt_ids = await encode_chat(state, loaded, messages, body.add_generation_prompt, template_tools)
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival,
+                                state.config.request_timeout, request.state.request_id, body.cache_salt)
+        texts = loaded.token_texts if params.logprobs is not None else None
+        # again, counting every sample, with no await before queueing (see completions)
+        state.registry.resolve(body.model).admit(params.n, loaded)
+        generation.start()
     head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     if body.stream:
         options = body.stream_options
@@ -62,7 +65,7 @@ async def create_chat_completion(request: Request) -> Response:
     response = _response(generation, head, texts, tools)
     scored = generation.choices[0].prompt_logprobs  # one prompt: every choice carries the same
     if body.prompt_logprobs is not None and scored is not None:
-        response.prompt_logprobs = prompt_logprobs(state.token_texts, scored, body.prompt_logprobs)
+        response.prompt_logprobs = prompt_logprobs(loaded.token_texts, scored, body.prompt_logprobs)
     return JSONResponse(response.dump())
 
 

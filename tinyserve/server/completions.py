@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (check_model, compile_structured_output, encode_prompt, parse_body,
+from tinyserve.server.intake import (compile_structured_output, encode_prompt, parse_body,
                                      require_api_key, server_state, validate_prompt)
 from tinyserve.server.logprobs import TokenTexts, completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
 from tinyserve.server.protocol import CompletionRequest, limits_context
@@ -26,23 +26,25 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state = server_state(request)
-    engine = state.admit()
+    state.admit()
     body = await parse_body(request, CompletionRequest, limits_context(state.config))
-    check_model(state, body.model)
-    params = body.with_defaults(body.to_sampling_params(), state.sampling_defaults)
-    await compile_structured_output(engine, params, body.structured_output_param())
-    prompts = [p if isinstance(p, list) else await encode_prompt(state, engine, p) for p in body.prompt]
-    for ids in prompts:
-        validate_prompt(engine, ids, params, "prompt")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(engine, request_id, prompts, params, body.priority, arrival,
-                            state.config.request_timeout, request.state.request_id, body.cache_salt)
-    texts = state.token_texts
-    echo = _Echo(body, prompts, texts) if body.echo else None
-    head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
-    # again, counting every sample, with no await before queueing: the awaits above let other requests in
-    state.admit(len(prompts) * params.n)
-    generation.start()
+    loaded = await state.acquire(body.model, arrival)  # 404, or loads the model on demand
+    engine = loaded.engine
+    with loaded.pending():  # a swap or unload waits for this request until its stream is open
+        params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
+        await compile_structured_output(engine, params, body.structured_output_param())
+        prompts = [p if isinstance(p, list) else await encode_prompt(loaded, p) for p in body.prompt]
+        for ids in prompts:
+            validate_prompt(engine, ids, params, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = Generation(engine, request_id, prompts, params, body.priority, arrival,
+                                state.config.request_timeout, request.state.request_id, body.cache_salt)
+        texts = loaded.token_texts
+        echo = _Echo(body, prompts, texts) if body.echo else None
+        head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
+        # again, counting every sample, with no await before queueing: the awaits above let other requests in
+        state.registry.resolve(body.model).admit(len(prompts) * params.n, loaded)
+        generation.start()
     if body.stream:
         options = body.stream_options
         choice = _choice(texts if body.logprobs is not None else None, params.n, echo)

@@ -17,7 +17,8 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from tinyserve.engine.async_engine import AsyncEngine
-from tinyserve.server.errors import BadRequest, NotFound, Unauthorized, bad_request_from_validation
+from tinyserve.server.errors import BadRequest, Unauthorized, bad_request_from_validation
+from tinyserve.server.model_slot import LoadedModel
 from tinyserve.server.protocol import entry_caps, refuse_unknown_fields
 from tinyserve.server.state import ServerState
 from tinyserve.types import InvalidRequest, SamplingParams
@@ -88,18 +89,12 @@ def refuse_long_lists(body: bytes, caps: dict[str, int]) -> None:
         return
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name not in state.served_model_names:
-        raise NotFound(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
-
-
-def check_fits(state: ServerState, engine: AsyncEngine, num_chars: int, param: str) -> None:
+def check_fits(loaded: LoadedModel, num_chars: int, param: str) -> None:
     """A text of more characters than the context's tokens can cover is refused without tokenizing it."""
-    max_token_chars = engine.tokenizer.max_token_chars
-    if max_token_chars is not None and num_chars > state.max_model_len * max_token_chars:
+    max_token_chars = loaded.engine.tokenizer.max_token_chars
+    if max_token_chars is not None and num_chars > loaded.max_model_len * max_token_chars:
         raise BadRequest(f"{param} has {num_chars} characters, more than the model's context of "
-                         f"{state.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
+                         f"{loaded.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
 
 
 async def encode(engine: AsyncEngine, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -108,17 +103,18 @@ async def encode(engine: AsyncEngine, text: str, add_special_tokens: bool = True
     return engine.tokenizer.encode(text, add_special_tokens)
 
 
-async def encode_prompt(state: ServerState, engine: AsyncEngine, text: str) -> list[int]:
-    check_fits(state, engine, len(text), "prompt")
-    return await encode(engine, text)
+async def encode_prompt(loaded: LoadedModel, text: str) -> list[int]:
+    check_fits(loaded, len(text), "prompt")
+    return await encode(loaded.engine, text)
 
 
-async def encode_chat(state: ServerState, engine: AsyncEngine, messages: list[dict],
+async def encode_chat(state: ServerState, loaded: LoadedModel, messages: list[dict],
                       add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """The conversation's prompt ids, rendered and encoded in a worker thread. Special-token text in
     content is encoded as text, and in a name refused, unless the server trusts its clients
     (allow_special_tokens_in_messages)."""
-    check_fits(state, engine, sum(len(m["content"]) for m in messages), "messages")
+    check_fits(loaded, sum(len(m["content"]) for m in messages), "messages")
+    engine = loaded.engine
     trusted = state.config.allow_special_tokens_in_messages
     for i, message in enumerate(messages):  # a template may render a name as it is, special tokens and all
         if not trusted and engine.tokenizer.has_special_text(message.get("name", "")):

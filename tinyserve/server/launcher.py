@@ -219,8 +219,9 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: str = "i
     """Blocks until shutdown; returns the process exit code: 0 after a drain (SIGTERM / SIGINT, also
     while the model is still loading), 1 if loading failed, 128 + N when a second signal N cut the drain
     short. (uvicorn exits 3 itself when the port cannot be bound.) `engine_factory` as in `build_app`."""
-    if engine_factory is None:
-        resolve_model_path(engine_config.model)  # a wrong path fails here, in one line, before binding
+    if engine_factory is None:  # a wrong path fails here, in one line, before binding
+        for source in (engine_config.model, *(path for _, path in config.models)):
+            resolve_model_path(source)
     _raise_open_file_limit(config.max_connections)
     app = build_app(engine_config, config, engine_factory)
     server = _DrainingServer(_uvicorn_config(app, config, log_level), app.state.server)

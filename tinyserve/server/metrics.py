@@ -1,7 +1,9 @@
 """Prometheus metrics: the only module that imports prometheus_client.
 
-Names follow vLLM's with the prefix `tinyserve:` and a `model_name` label. Each app registers into its
-own CollectorRegistry, so tests can build several apps in one process. Gauges and the engine's running
+Names follow vLLM's with the prefix `tinyserve:` and a `model_name` label on every series: one app may
+serve several models, each a ServerMetrics bound to the app's MetricSet, which also counts the models'
+loads, unloads and swaps. Each app registers into its own CollectorRegistry, so tests can build several
+apps in one process. Gauges and the engine's running
 totals (preemptions, prefix cache) are read from the latest EngineStats at scrape time; histograms and
 token counters are fed per step from the engine thread (AsyncEngine.step_listeners). One finished
 *sample* is one request here (n=2 counts two, as the engine schedules two sequences); its prompt tokens
@@ -22,6 +24,8 @@ from tinyserve.types import RequestOutput
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 320.0, 640.0)
+_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+MAX_TOKEN_BUCKET = 1 << 17  # the token histograms' ladder ends at the first rung above this
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.025, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -37,38 +41,41 @@ def _token_buckets(max_model_len: int) -> list[float]:
 
 
 class _EngineStatsCollector:
-    """Gauges and engine-side totals, read from the newest snapshot on every scrape."""
+    """Gauges and engine-side totals of every loaded model, read from its newest snapshot on each scrape."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None],
-                 get_loop_stats: Callable[[], LoopStats | None]):
-        self.model_name, self.get_stats, self.get_loop_stats = model_name, get_stats, get_loop_stats
+    def __init__(self, get_models: Callable[[], list[tuple[str, EngineStats | None, LoopStats | None]]]):
+        self.get_models = get_models
 
     def collect(self) -> Iterator[Metric]:
-        stats, loop = self.get_stats(), self.get_loop_stats()
-        if stats is None or loop is None:  # still loading
+        models = [(name, stats, loop) for name, stats, loop in self.get_models()
+                  if stats is not None and loop is not None]  # a model still loading has none
+        if not models:
             return
-        label = [self.model_name]
-        for name, doc, value in (
-            ("num_requests_running", "Sequences in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
-            ("num_requests_paused", "Sequences set aside until their slow reader catches up.", stats.num_paused),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage),
+        for name, doc, read in (
+            ("num_requests_running", "Sequences in the running batch.", lambda s, _: s.num_running),
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", lambda s, _: s.num_waiting),
+            ("num_requests_paused", "Sequences set aside until their slow reader catches up.",
+             lambda s, _: s.num_paused),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", lambda s, _: s.kv_cache_usage),
         ):
             gauge = GaugeMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
-            gauge.add_metric(label, value)
+            for model_name, stats, loop in models:
+                gauge.add_metric([model_name], read(stats, loop))
             yield gauge
-        for name, doc, value in (
-            ("num_preemptions", "Sequences preempted (recomputed later) since start-up.", stats.num_preemptions),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        for name, doc, read in (
+            ("num_preemptions", "Sequences preempted (recomputed later) since start-up.",
+             lambda s, _: s.num_preemptions),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s, _: s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s, _: s.prefix_cache_hits),
             # where the engine thread's time goes: a starved step loop shows longer steps or more overhead
-            ("engine_steps", "Engine steps run.", loop.num_steps),
-            ("engine_step_seconds", "Seconds inside engine steps.", loop.step_seconds),
+            ("engine_steps", "Engine steps run.", lambda _, loop: loop.num_steps),
+            ("engine_step_seconds", "Seconds inside engine steps.", lambda _, loop: loop.step_seconds),
             ("engine_loop_overhead_seconds", "Engine-thread seconds around steps (inbox, delivery, metrics).",
-             loop.overhead_seconds),
+             lambda _, loop: loop.overhead_seconds),
         ):
             counter = CounterMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
-            counter.add_metric(label, value)
+            for model_name, stats, loop in models:
+                counter.add_metric([model_name], read(stats, loop))
             yield counter
         if stats.spec_decode is not None:
             yield from _spec_decode_counters(label, stats.spec_decode)
@@ -92,33 +99,67 @@ def _spec_decode_counters(label: list[str], spec: SpecDecodeStats) -> Iterator[M
     yield per_position
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, get_stats: Callable[[], EngineStats | None],
-                 get_loop_stats: Callable[[], LoopStats | None] = lambda: None):
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(model_name, get_stats, get_loop_stats))
-        label, reg = ["model_name"], self.registry
+class MetricSet:
+    """Every metric of one app, each with a `model_name` label; `for_model` binds one model's series.
+    Token histograms share one bucket ladder (up to MAX_TOKEN_BUCKET), since the models' contexts differ."""
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"tinyserve:{name}", doc, label, registry=reg, buckets=buckets).labels(model_name)
-
-        tokens = _token_buckets(max_model_len)
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
-        self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
-        self.generation_hist = histogram("request_generation_tokens", "Generated tokens per request.", tokens)
+    def __init__(self, get_models: Callable[[], list[tuple[str, EngineStats | None, LoopStats | None]]] = list,
+                 max_token_bucket: int = MAX_TOKEN_BUCKET):
+        self.registry = reg = CollectorRegistry()
+        reg.register(_EngineStatsCollector(get_models))
+        label = ["model_name"]
+        tokens = _token_buckets(max_token_bucket)
+        self.histograms = {name: Histogram(f"tinyserve:{name}", doc, label, registry=reg, buckets=buckets)
+                           for name, doc, buckets in (
+            ("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS),
+            ("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS),
+            ("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS),
+            ("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS),
+            ("request_prompt_tokens", "Prompt tokens per request.", tokens),
+            ("request_generation_tokens", "Generated tokens per request.", tokens),
+        )}
         self.prompt_tokens = Counter("tinyserve:prompt_tokens", "Prompt tokens of finished requests.",
-                                     label, registry=reg).labels(model_name)
-        self.generation_tokens = Counter("tinyserve:generation_tokens", "Generated tokens.",
-                                         label, registry=reg).labels(model_name)
-        self._success = Counter("tinyserve:request_success", "Finished requests by finish reason.",
-                                label + ["finished_reason"], registry=reg)
-        self._rejected = Counter("tinyserve:request_rejected",
-                                 "Requests refused by admission (503, or 400 too_many_samples).",
-                                 label + ["reason"], registry=reg)
-        self.model_name = model_name
+                                     label, registry=reg)
+        self.generation_tokens = Counter("tinyserve:generation_tokens", "Generated tokens.", label, registry=reg)
+        self.success = Counter("tinyserve:request_success", "Finished requests by finish reason.",
+                               label + ["finished_reason"], registry=reg)
+        self.rejected = Counter("tinyserve:request_rejected",
+                                "Requests refused by admission (503, or 400 too_many_samples).",
+                                label + ["reason"], registry=reg)
+        # the models' lifecycle (server/model_slot.py): outcome ok or failed; unload reason
+        self.loads = Counter("tinyserve:model_loads", "Model loads by outcome.", label + ["outcome"], registry=reg)
+        self.unloads = Counter("tinyserve:model_unloads", "Model unloads by reason (admin, evicted, idle, swap).",
+                               label + ["reason"], registry=reg)
+        self.swaps = Counter("tinyserve:model_swaps", "Model swaps by outcome.", label + ["outcome"], registry=reg)
+        self.load_seconds = Histogram("tinyserve:model_load_seconds", "Time to load a model (build + warm-up).",
+                                      label, registry=reg, buckets=_LOAD_BUCKETS)
+        self.swap_seconds = Histogram("tinyserve:model_swap_seconds",
+                                      "Swap: start of the new model's load to the old one's memory freed.",
+                                      label, registry=reg, buckets=_LOAD_BUCKETS)
+
+    def for_model(self, model_name: str) -> ServerMetrics:
+        return ServerMetrics(model_name, metric_set=self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServerMetrics:
+    """One model's series of a MetricSet (its own set when none is given: a lone model, tests)."""
+
+    def __init__(self, model_name: str, max_model_len: int | None = None,
+                 get_stats: Callable[[], EngineStats | None] = lambda: None,
+                 get_loop_stats: Callable[[], LoopStats | None] = lambda: None, metric_set: MetricSet | None = None):
+        if metric_set is None:
+            metric_set = MetricSet(lambda: [(model_name, get_stats(), get_loop_stats())],
+                                   max_model_len or MAX_TOKEN_BUCKET)
+        self.metric_set, self.registry, self.model_name = metric_set, metric_set.registry, model_name
+        h = {name: hist.labels(model_name) for name, hist in metric_set.histograms.items()}
+        self.ttft, self.itl = h["time_to_first_token_seconds"], h["inter_token_latency_seconds"]
+        self.e2e, self.queue = h["e2e_request_latency_seconds"], h["request_queue_time_seconds"]
+        self.prompt_hist, self.generation_hist = h["request_prompt_tokens"], h["request_generation_tokens"]
+        self.prompt_tokens = metric_set.prompt_tokens.labels(model_name)
+        self.generation_tokens = metric_set.generation_tokens.labels(model_name)
         # (request id, prompt index, sample index) -> when its last token came; engine thread only
         self._last_token_time: dict[tuple[str, int, int], float] = {}
 
@@ -141,7 +182,7 @@ class ServerMetrics:
             self.generation_tokens.inc(num_new)
 
     def _on_finished(self, out: RequestOutput, now: float) -> None:
-        self._success.labels(self.model_name, out.finish_reason.value).inc()
+        self.metric_set.success.labels(self.model_name, out.finish_reason.value).inc()
         m, usage = out.metrics, out.usage
         if usage is not None:
             if out.index == 0:
@@ -157,7 +198,7 @@ class ServerMetrics:
         self.e2e.observe((m.finished_time or now) - m.arrival_time)
 
     def rejected(self, reason: str) -> None:
-        self._rejected.labels(self.model_name, reason).inc()
+        self.metric_set.rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.metric_set.render()

@@ -435,3 +435,17 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+class ModelAdminRequest(_Strict):
+    """POST /admin/models/load and /unload: the model by its served name."""
+
+    model: str = Field(min_length=1)
+
+
+class ModelSwapRequest(_Strict):
+    """POST /admin/models/swap: serve the weights at `path` (a GGUF file or an HF folder on the
+    server's disk, or an alias) under the name `model`."""
+
+    model: str = Field(min_length=1)
+    path: str = Field(min_length=1)

@@ -233,6 +233,11 @@ class ModelCard(_Body):
     root: str
     max_model_len: int | None
     default_sampling_params: SamplingDefaultsInfo | None  # null until the model has loaded
+    # the model's life in this server (server/model_slot.py) and the memory its loads hold
+    state: Literal["loaded", "loading", "unloaded", "failed"]
+    memory_bytes: int  # weights + KV pool of its loads (0 when unloaded)
+    error: str | None = None  # why its last load failed
+    load_seconds: float | None = None  # its last load (build + warm-up)
 
 
 class ModelList(_Body):

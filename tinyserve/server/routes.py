@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 import tinyserve
 from tinyserve.server.errors import BadRequest
-from tinyserve.server.intake import (check_model, encode, encode_chat, parse_body, require_api_key,
-                                     server_state)
+from tinyserve.server.intake import encode, encode_chat, parse_body, require_api_key, server_state
 from tinyserve.server.metrics import CONTENT_TYPE
 from tinyserve.server.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
 from tinyserve.server.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList,
                                         SamplingDefaultsInfo, TokenizeResponse, VersionResponse)
+from tinyserve.server.model_slot import ModelSlot
 from tinyserve.server.state import ServerState
 from tinyserve.types import SamplingParams
 
@@ -28,49 +28,53 @@ DEEP_HEALTH_REUSE_S = 2.0  # a deep probe's result answers every probe for this 
 _THREAD_DETOKENIZE_TOKENS = 8192  # longer /detokenize requests are checked and decoded off the event loop
 
 
-def _model_card(state, name: str) -> ModelCard:
-    # root is the served name, never the --model string: that may be a path on the server's disk
-    defaults = state.sampling_defaults
+def model_card(state: ServerState, slot: ModelSlot, name: str) -> ModelCard:
+    # root is the served name, never the source: that may be a path on the server's disk
+    loaded = slot.current
+    defaults = loaded.sampling_defaults if loaded is not None else None
     info = None if defaults is None else SamplingDefaultsInfo(**defaults.as_fields())
-    return ModelCard(id=name, created=state.created, root=state.model_name, max_model_len=state.max_model_len,
-                     default_sampling_params=info)
+    return ModelCard(id=name, created=state.created, root=slot.name,
+                     max_model_len=loaded.max_model_len if loaded is not None else None,
+                     default_sampling_params=info, state=slot.phase, memory_bytes=slot.memory_bytes,
+                     error=slot.error, load_seconds=slot.load_seconds)
 
 
 @api.get("/v1/models")
 async def list_models(request: Request) -> dict:
     state = server_state(request)
-    return ModelList(data=[_model_card(state, name) for name in state.served_model_names]).dump()
+    return ModelList(data=[model_card(state, slot, name) for slot in state.registry.slots
+                           for name in slot.names]).dump()
 
 
 @api.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request) -> dict:
     state = server_state(request)
-    check_model(state, name)
-    return _model_card(state, name).dump()
+    return model_card(state, state.registry.resolve(name), name).dump()
 
 
 @api.post("/tokenize")
 async def tokenize(request: Request) -> dict:
     state = server_state(request)
-    engine = state.check_ready()
+    state.check_phase()
     body = await parse_body(request, TokenizeRequest, limits_context(state.config))
-    check_model(state, body.model)
+    loaded = await state.acquire(body.model, time.monotonic())
+    engine = loaded.engine
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("prompt: give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:  # the ids a chat completion would get
         messages = [m.as_template_message() for m in body.messages]
-        ids = await encode_chat(state, engine, messages, body.add_generation_prompt)
+        ids = await encode_chat(state, loaded, messages, body.add_generation_prompt)
     else:
         ids = await encode(engine, body.prompt, body.add_special_tokens)
-    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len).dump()
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=loaded.max_model_len).dump()
 
 
 @api.post("/detokenize")
 async def detokenize(request: Request) -> dict:
     state = server_state(request)
-    engine = state.check_ready()
+    state.check_phase()
     body = await parse_body(request, DetokenizeRequest, limits_context(state.config))
-    check_model(state, body.model)
+    engine = (await state.acquire(body.model, time.monotonic())).engine
     vocab = engine.engine.model_config.vocab_size
 
     def check_and_decode(tokens: list[int]) -> str:
@@ -86,10 +90,12 @@ async def detokenize(request: Request) -> dict:
 
 
 @public.get("/health")
-async def health(request: Request, deep: bool = False) -> Response:
+async def health(request: Request, deep: bool = False, model: str | None = None) -> Response:
+    """The server's health, or with `model` that model's (404 for a name it does not serve)."""
     state = server_state(request)
-    ok, status = state.is_healthy()
-    if ok and deep:
+    ok, status = state.is_healthy(model)
+    probed = state.default if model is None else state.registry.resolve(model)
+    if ok and deep and probed is state.default and probed.current is not None:  # the probe runs on the first
         probe = getattr(request.app.state, "deep_health_probe", None)
         if probe is None:
             probe = request.app.state.deep_health_probe = DeepHealthProbe()
@@ -141,8 +147,7 @@ async def _one_token(state: ServerState) -> tuple[bool, str]:
 @public.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = server_state(request)
-    body = state.metrics.render() if state.metrics is not None else b""
-    return Response(body, media_type=CONTENT_TYPE)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @public.get("/version")

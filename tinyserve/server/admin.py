@@ -1,0 +1,73 @@
+"""The admin API (behind the API key): load, unload and swap the models a server serves while it runs.
+
+Each replies with the model's card as /v1/models shows it, after the operation has finished: a load
+once the model has loaded (and warmed up), an unload once its in-flight requests have drained and its
+memory is freed, a swap once new requests go to the new weights and the old ones are freed. A load that
+fails replies 422 model_load_failed with the loader's message, and a swap that fails leaves the old
+weights serving.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from tinyserve.loader.model_loader import ModelLoadError, resolve_model_path
+from tinyserve.server.errors import APIError, BadRequest
+from tinyserve.server.intake import parse_body, require_api_key, server_state
+from tinyserve.server.model_slot import ModelSlot
+from tinyserve.server.protocol import ModelAdminRequest, ModelSwapRequest
+from tinyserve.server.routes import model_card
+from tinyserve.server.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
+router = APIRouter(prefix="/admin/models", dependencies=[Depends(require_api_key)])
+
+
+class ModelLoadFailed(APIError):
+    status, type = 422, "invalid_request_error"
+
+
+@router.post("/load")
+async def load(request: Request) -> dict:
+    state, slot, body = await _target(request, ModelAdminRequest)
+    await _run(slot, state.registry.load(slot))
+    return model_card(state, slot, body.model).dump()
+
+
+@router.post("/unload")
+async def unload(request: Request) -> dict:
+    state, slot, body = await _target(request, ModelAdminRequest)
+    await state.registry.unload(slot)
+    return model_card(state, slot, body.model).dump()
+
+
+@router.post("/swap")
+async def swap(request: Request) -> dict:
+    state, slot, body = await _target(request, ModelSwapRequest)
+    try:
+        resolve_model_path(body.path)
+    except ModelLoadError as exc:
+        raise BadRequest(f"path: {exc}", param="path", code="model_not_found") from None
+    await _run(slot, state.registry.swap(slot, body.path))
+    return model_card(state, slot, body.model).dump()
+
+
+async def _target(request: Request, kind: type[M]) -> tuple[ServerState, ModelSlot, M]:
+    state = server_state(request)
+    state.check_phase()
+    body = await parse_body(request, kind)
+    return state, state.registry.resolve(body.model), body
+
+
+async def _run(slot: ModelSlot, operation) -> None:
+    """Await a load or swap; a failure is a 422 naming the model and the loader's reason."""
+    try:
+        await operation
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bad file or setting: the admin reads why
+        raise ModelLoadFailed(f"loading the model {slot.name!r} failed: {exc}", param="model",
+                              code="model_load_failed") from None

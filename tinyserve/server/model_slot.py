@@ -1,0 +1,314 @@
+"""One served model name and its life: unloaded -> loading -> loaded (-> unloaded, or swapped), or failed.
+
+A ModelSlot owns what is per model: its names, its source (file or folder), its metrics series, and the
+LoadedModel now serving it. A LoadedModel is one load of the weights (engine, token texts, defaults);
+a request keeps the one it was admitted to until it ends, so a swap (`ModelSlot.swap`) is a double
+buffer with delayed release: the new load is built beside the old, one assignment sends new requests to
+it, and the old one is released only after its requests have finished (or, past the drain timeout,
+ended with finish_reason abort), never while one still waits on it. What to load and evict, and when, is
+the registry's (server/model_registry.py); a slot only carries it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from tinyserve.config import EngineConfig, SamplingDefaults, ServerConfig
+from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.engine.malloc_tuning import return_freed_host_memory
+from tinyserve.engine.step_loop import StepLoop
+from tinyserve.server.errors import BadRequest, ServiceUnavailable
+from tinyserve.server.logprobs import TokenTexts
+from tinyserve.server.metrics import ServerMetrics
+from tinyserve.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+SlotPhase = Literal["unloaded", "loading", "loaded", "failed"]
+WARMUP_PROMPT = "Hello"
+ABORT_GRACE_S = 2.0  # after abort_all, time for the final outputs and [DONE] to reach the clients
+ENGINE_JOIN_TIMEOUT_S = 5.0  # a hung step is abandoned (daemon thread) after this long
+
+
+@dataclass
+class LoadedModel:
+    """One load of a model. `num_pending` counts requests admitted to it whose stream is not open yet
+    (tokenizing): a drain waits for them too, so none is left to submit to a stopped engine."""
+
+    source: str
+    engine: AsyncEngine
+    token_texts: TokenTexts
+    max_model_len: int
+    sampling_defaults: SamplingDefaults
+    weight_bytes: int
+    kv_bytes: int
+    num_pending: int = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_in_flight + self.num_pending
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @contextmanager
+    def pending(self) -> Iterator[None]:
+        """Around a request's work from admission to its stream's opening (Generation.start)."""
+        self.num_pending += 1
+        try:
+            yield
+        finally:
+            self.num_pending -= 1
+
+
+class ModelSlot:
+    def __init__(self, names: tuple[str, ...], source: str, engine_config: EngineConfig, config: ServerConfig,
+                 metrics: ServerMetrics, step_loop: Callable[[], StepLoop],
+                 engine_factory: Callable[[EngineConfig], object] | None = None):
+        self.names, self.name, self.source = names, names[0], source
+        self.engine_config, self.config, self.metrics = engine_config, config, metrics
+        self.step_loop = step_loop  # the registry's, shared by every model (started on first use)
+        self.phase: SlotPhase = "unloaded"
+        self.current: LoadedModel | None = None
+        self.error: str | None = None  # why the last load failed, as /v1/models and the admin API say
+        self.last_used = time.monotonic()
+        self.load_seconds: float | None = None
+        self._engine_factory = engine_factory
+        self._draining: list[LoadedModel] = []  # swapped out, finishing their requests
+
+    # admission
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.current.engine if self.current is not None else None
+
+    def check_ready(self) -> LoadedModel:
+        if self.phase == "loading":
+            raise ServiceUnavailable(f"the model {self.name!r} is still loading", code="loading", retry_after=5)
+        if self.phase == "failed":
+            raise ServiceUnavailable(f"the model {self.name!r} failed to load: {self.error}", code="model_failed",
+                                     retry_after=None)
+        loaded = self.current
+        if loaded is None:
+            raise ServiceUnavailable(f"the model {self.name!r} is not loaded", code="model_unloaded", retry_after=1)
+        if not loaded.engine.is_alive:
+            raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
+        return loaded
+
+    def admit(self, num_samples: int = 1, loaded: LoadedModel | None = None) -> LoadedModel:
+        """The LoadedModel new work goes to (or `loaded`, the one a request was admitted to before: its
+        queue is checked again once the request's samples are known); 503 when its queue is full, 400
+        when the request alone exceeds it (see ServerState.admit)."""
+        try:
+            if loaded is None:
+                loaded = self.check_ready()
+            elif not loaded.engine.is_alive:
+                raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
+            limit, engine = self.config.max_queue, loaded.engine
+            if limit is not None:
+                if num_samples > limit:
+                    raise BadRequest(f"n: the request asks for {num_samples} samples (prompts x n), more than "
+                                     f"this server queues ({limit}); send fewer prompts or a smaller n",
+                                     param="n", code="too_many_samples")
+                free_slots = max(0, self.engine_config.scheduler.max_num_seqs - engine.stats.num_running)
+                if engine.num_waiting - free_slots + num_samples > limit:
+                    raise ServiceUnavailable(
+                        f"the server is overloaded ({engine.num_waiting} sequences waiting, limit {limit}); "
+                        "retry later", code="overloaded")
+        except (ServiceUnavailable, BadRequest) as exc:
+            self.metrics.rejected(exc.code)
+            raise
+        self.last_used = time.monotonic()
+        return loaded
+
+    def health(self) -> tuple[bool, str]:
+        if self.phase == "unloaded":
+            return True, "unloaded"  # loads on the next request
+        if self.phase != "loaded" or self.current is None:
+            return False, self.phase
+        engine = self.current.engine
+        if not engine.is_alive:
+            return False, "engine_dead"
+        if engine.is_stalled(self.config.stall_timeout):
+            return False, "engine_stalled"
+        return True, "ok"
+
+    @property
+    def num_in_flight(self) -> int:
+        loads = ([self.current] if self.current is not None else []) + self._draining
+        return sum(m.num_in_flight for m in loads)
+
+    @property
+    def memory_bytes(self) -> int:
+        loads = ([self.current] if self.current is not None else []) + self._draining
+        return sum(m.memory_bytes for m in loads)
+
+    # lifecycle (the registry calls these under its lock)
+
+    async def load(self, kv_cache_memory_gib: float | None = None) -> None:
+        """Load `source`; on failure the slot is failed with the reason and raises it."""
+        self.phase, self.error = "loading", None
+        try:
+            self.current = await self._build(self.source, kv_cache_memory_gib)
+        except Exception as exc:
+            self.phase, self.error = "failed", _reason(exc)
+            self.metrics.metric_set.loads.labels(self.name, "failed").inc()
+            logger.error("model %s: loading %s failed: %s", self.name, self.source, self.error)
+            raise
+        self.phase = "loaded"
+        self.last_used = time.monotonic()
+
+    async def swap(self, source: str, kv_cache_memory_gib: float | None = None) -> None:
+        """Serve `source` under this name: build it beside the current load (which keeps serving, and
+        keeps serving if the build fails), switch, then drain and free the old one."""
+        start = time.perf_counter()
+        counter = self.metrics.metric_set.swaps
+        try:
+            new = await self._build(source, kv_cache_memory_gib)
+        except Exception as exc:
+            counter.labels(self.name, "failed").inc()
+            logger.error("model %s: swap to %s failed, %s keeps serving: %s", self.name, source, self.source,
+                         _reason(exc))
+            raise
+        if self.current is not None:
+            self._draining.append(self.current)
+        self.current, self.source = new, source  # the switch: new requests go to `new`
+        self.phase, self.error, self.last_used = "loaded", None, time.monotonic()
+        logger.info("model %s: switched to %s; %d requests finish on the old weights", self.name, source,
+                    sum(m.num_in_flight for m in self._draining))
+        await self._release_draining("swap")
+        self.metrics.metric_set.swap_seconds.labels(self.name).observe(time.perf_counter() - start)
+        counter.labels(self.name, "ok").inc()
+        logger.info("model %s: swap to %s done in %.2fs", self.name, source, time.perf_counter() - start)
+
+    async def unload(self, reason: str) -> None:
+        """Refuse new requests, let in-flight ones finish (up to drain_timeout), free the memory."""
+        if self.current is not None:
+            self._draining.append(self.current)
+        self.current = None
+        if self.phase != "failed":
+            self.phase = "unloaded"
+        await self._release_draining(reason)
+
+    async def close(self, timeout: float, is_hurried: Callable[[], bool]) -> None:
+        """Shutdown: drain every load of this slot (up to `timeout`), then stop their engines."""
+        loads = ([self.current] if self.current is not None else []) + self._draining
+        await asyncio.gather(*(drain(m, timeout, is_hurried) for m in loads))
+        await asyncio.gather(*(asyncio.to_thread(m.engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
+                               for m in loads))
+
+    async def _release_draining(self, reason: str) -> None:
+        """Drain and free the load just moved to `_draining`. It is held only there (no caller keeps a
+        reference), so that once it leaves the list its memory is freed before the heap is trimmed."""
+        if not self._draining:
+            return
+        old = self._draining[-1]
+        try:
+            await drain(old, self.config.drain_timeout, lambda: False)
+            await asyncio.to_thread(old.engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
+        finally:
+            self._draining.remove(old)
+        freed = old.memory_bytes
+        del old
+        await asyncio.to_thread(_return_freed_memory)
+        self.metrics.metric_set.unloads.labels(self.name, reason).inc()
+        logger.info("model %s: unloaded (%s), %.0f MiB freed", self.name, reason, freed / 2**20)
+
+    async def _build(self, source: str, kv_cache_memory_gib: float | None) -> LoadedModel:
+        start = time.perf_counter()
+        cache = self.engine_config.cache
+        if kv_cache_memory_gib is not None and cache.num_blocks is None:
+            cache = replace(cache, kv_cache_memory_gib=kv_cache_memory_gib)
+        engine_config = replace(self.engine_config, model=source, cache=cache)
+        engine = await AsyncEngine.launch(lambda: self._build_engine(engine_config),
+                                          stall_timeout=self.config.stall_timeout, step_loop=self.step_loop())
+        try:
+            llm_engine = engine.engine
+            if self.config.warmup:
+                await _warm_up(engine)
+            engine.step_listeners.append(self.metrics.on_step)
+            loaded = LoadedModel(source, engine, TokenTexts(llm_engine.tokenizer), llm_engine.max_model_len,
+                                 llm_engine.sampling_defaults, _weight_bytes(llm_engine), _kv_bytes(llm_engine))
+        except BaseException:
+            await asyncio.to_thread(engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
+            raise
+        self.load_seconds = time.perf_counter() - start
+        self.metrics.metric_set.loads.labels(self.name, "ok").inc()
+        self.metrics.metric_set.load_seconds.labels(self.name).observe(self.load_seconds)
+        logger.info("model %s: loaded %s in %.2fs (context %d tokens, weights %.0f MiB, KV pool %.0f MiB)",
+                    self.name, source, self.load_seconds, loaded.max_model_len, loaded.weight_bytes / 2**20,
+                    loaded.kv_bytes / 2**20)
+        return loaded
+
+    def _build_engine(self, engine_config: EngineConfig):
+        if self._engine_factory is not None:
+            return self._engine_factory(engine_config)
+        from tinyserve.engine.llm_engine import LLMEngine
+
+        return LLMEngine(engine_config)
+
+
+async def drain(loaded: LoadedModel, timeout: float, is_hurried: Callable[[], bool]) -> None:
+    """Wait for the requests of `loaded` up to `timeout` (or until `is_hurried()`); abort what is left
+    and give its final outputs ABORT_GRACE_S to reach the clients; past that, end their streams here."""
+    engine = loaded.engine
+    deadline = time.monotonic() + timeout
+    while loaded.num_in_flight and time.monotonic() < deadline and engine.is_alive and not is_hurried():
+        await asyncio.sleep(0.05)
+    if loaded.num_pending:  # admitted, not yet queued: give them a moment to open their streams
+        end = time.monotonic() + ABORT_GRACE_S
+        while loaded.num_pending and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+    if engine.num_in_flight:
+        why = "on a second signal" if is_hurried() else "after the drain timeout"
+        logger.warning("aborting %d requests still in flight %s", engine.num_in_flight, why)
+        engine.abort_all()  # a working engine applies these at its next step, final outputs and all
+        end = time.monotonic() + ABORT_GRACE_S
+        while (engine.num_in_flight and time.monotonic() < end and engine.is_alive
+               and not engine.is_stalled(ABORT_GRACE_S / 2)):  # a hung step will never get there
+            await asyncio.sleep(0.02)
+    if engine.num_in_flight:
+        engine.cancel_all()  # ends the streams here with finish_reason abort, whatever the engine does
+
+
+async def _warm_up(engine: AsyncEngine) -> None:
+    start = time.perf_counter()
+    ids = engine.tokenizer.encode(WARMUP_PROMPT)
+    async for _ in engine.generate("warmup", ids, SamplingParams(max_tokens=4, temperature=0.0)):
+        pass
+    logger.info("warm-up generation took %.2fs", time.perf_counter() - start)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _weight_bytes(llm_engine) -> int:
+    """Bytes of the tensors the model holds (parameters, buffers and packed weights kept as attributes)."""
+    import torch
+
+    seen, total = set(), 0
+    for module in llm_engine.runner.model.modules():
+        for value in list(module._parameters.values()) + list(module._buffers.values()) + list(vars(module).values()):
+            if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+                seen.add(value.data_ptr())
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _kv_bytes(llm_engine) -> int:
+    """The KV pool: one (key, value) pair of tensors per layer."""
+    return sum(t.numel() * t.element_size() for layer in llm_engine.runner.kv_cache for t in (layer.key, layer.value))
+
+
+def _return_freed_memory() -> None:
+    """Collect what the old load left (reference cycles), then trim the heap (engine/malloc_tuning.py)."""
+    gc.collect()
+    return_freed_host_memory()
