@@ -77,25 +77,29 @@ class _EngineStatsCollector:
             for model_name, stats, loop in models:
                 counter.add_metric([model_name], read(stats, loop))
             yield counter
-        if stats.spec_decode is not None:
-            yield from _spec_decode_counters(label, stats.spec_decode)
+        speculating = [(model_name, stats.spec_decode) for model_name, stats, _ in models if stats.spec_decode]
+        if speculating:
+            yield from _spec_decode_counters(speculating)
 
 
-def _spec_decode_counters(label: list[str], spec: SpecDecodeStats) -> Iterator[Metric]:
+def _spec_decode_counters(models: list[tuple[str, SpecDecodeStats]]) -> Iterator[Metric]:
     """vLLM's names: acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts."""
-    for name, doc, value in (
-        ("spec_decode_num_drafts", "Speculative proposals verified (one per sequence and step).", spec.num_drafts),
-        ("spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
-        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+    for name, doc, read in (
+        ("spec_decode_num_drafts", "Speculative proposals verified (one per sequence and step).",
+         lambda spec: spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Proposed tokens verified.", lambda spec: spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", lambda spec: spec.num_accepted_tokens),
     ):
         counter = CounterMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
-        counter.add_metric(label, value)
+        for model_name, spec in models:
+            counter.add_metric([model_name], read(spec))
         yield counter
     per_position = CounterMetricFamily("tinyserve:spec_decode_num_accepted_tokens_per_pos",
                                        "Proposals accepted at each position of a draft (0 first).",
                                        labels=["model_name", "position"])
-    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
-        per_position.add_metric([*label, str(position)], value)
+    for model_name, spec in models:
+        for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+            per_position.add_metric([model_name, str(position)], value)
     yield per_position
 
 
