@@ -47,10 +47,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], prop
     proposed = torch.tensor([t for p in proposals for t in [*p, 0]], device=device)  # [rows]; 0 on last rows
     has_proposal = torch.tensor([j < len(p) for p in proposals for j in range(1 + len(p))], device=device)
     # p_j(x_j) per row, and the token drawn in case of rejection (or after the last proposal)
-    accept_prob = torch.zeros(len(row_requests), device=device)
     drawn = adjusted.argmax(dim=-1)  # greedy rows keep it: the argmax of p_j
     is_greedy = torch.tensor([r.sampling_params.is_greedy for r in row_requests], device=device)
-    accept_prob = torch.where(is_greedy & (drawn == proposed), 1.0, accept_prob)
+    accept_prob = (is_greedy & (drawn == proposed)).float()  # sampled rows get p_j(x_j) below
     groups = logits_processing.cut(adjusted, row_requests)
     if groups:
         draw_uniforms = sampler.uniforms(row_requests, device)  # [rows, 1]

@@ -211,7 +211,8 @@ class Scheduler:
                now: float) -> tuple[FinishReason | None, int] | None:
         """One request's part of update: (stop condition or None, tokens kept) if it got tokens."""
         num_proposed = len(request.spec_token_ids)
-        request.spec_token_ids = []
+        if num_proposed:  # verified this step; no new list per request per step when nothing was proposed
+            request.spec_token_ids = []
         request.num_computed_tokens += num_new - num_proposed  # proposals' KV counts once accepted
         assert request.num_computed_tokens <= request.num_tokens
         is_sampled = request.num_computed_tokens == request.num_tokens
