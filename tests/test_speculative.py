@@ -4,8 +4,10 @@ exact probabilities, greedy outputs token-identical with and without speculation
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,9 @@ from tinyserve.types import FinishReason, SamplingParams
 
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3,
+                          disable_by_batch_size=None)
+# the model itself is passed to the engine (`draft=`); the name only satisfies the config
+DRAFT = SpeculativeConfig(method="draft", draft_model="test-draft", num_speculative_tokens=4,
                           disable_by_batch_size=None)
 COPY_TEXT = ("The committee approved the budget for the new library on Tuesday, and the mayor said the "
              "library would open next spring. ")
@@ -107,12 +112,25 @@ def test_verify_greedy_accepts_while_the_argmax_agrees():
 
 
 def _engine(loaded: LoadedModel, speculative: SpeculativeConfig | None = None, num_blocks: int = 256,
-            **scheduler) -> LLMEngine:
+            draft: LoadedModel | None = None, **scheduler) -> LLMEngine:
+    if draft is not None:
+        speculative = DRAFT
     config = EngineConfig(cache=CacheConfig(num_blocks=num_blocks),
                           scheduler=SchedulerConfig(**{"max_num_seqs": 16, "max_num_batched_tokens": 512,
                                                        "max_model_len": 1024, **scheduler}),
                           speculative=speculative or SpeculativeConfig())
-    return LLMEngine(config, loaded=loaded)
+    return LLMEngine(config, loaded=loaded, draft=draft)
+
+
+def _noisy_copy(loaded: LoadedModel, scale: float, seed: int = 0) -> LoadedModel:
+    """A draft model: the target's weights plus gaussian noise of `scale` times each tensor's std, so that its
+    guesses agree with the target often, not always (rejections and roll-backs happen)."""
+    model = copy.deepcopy(loaded.model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * param.float().std() * scale)
+    return replace(loaded, model=model)
 
 
 def _run(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> dict[int, tuple[list[int], str, object]]:
@@ -156,6 +174,39 @@ def test_greedy_outputs_are_token_identical_with_and_without_speculation(smollm2
     alone = _run(_engine(smollm2_loaded), prompts[:2], others)
     assert [mixed[i][0] for i in range(len(prompts))] == [plain[i][0] for i in range(len(prompts))]
     assert mixed[len(prompts)][0] == alone[0][0]  # never proposes, so its greedy tokens are the plain ones
+
+
+@pytest.mark.reliability  # 75 s: the draft is as large as the target here (the tiny-model tests below run by default)
+def test_draft_model_greedy_outputs_are_token_identical_and_both_pools_end_free(smollm2_loaded):
+    """A draft that agrees with the target often but not always (its weights plus noise): outputs equal plain
+    decoding's, alone and mixed with requests that cannot speculate; rejected guesses were rolled back."""
+    prompts = _copy_prompts(smollm2_loaded.tokenizer)[1:3] + ["The capital of France is"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    others = [SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=24, ignore_eos=True)]
+    mixed_prompts, mixed_params = prompts + prompts[:2], [greedy] * len(prompts) + others
+    plain = _run(_engine(smollm2_loaded), mixed_prompts, mixed_params)  # the engine is batch-invariant
+    draft = _noisy_copy(smollm2_loaded, scale=0.15)
+    for engine, count in ((_engine(smollm2_loaded, draft=draft), len(prompts)),
+                          (_engine(smollm2_loaded, draft=draft), len(mixed_prompts))):
+        speculated = _run(engine, mixed_prompts[:count], mixed_params[:count])
+        greedy_ids = range(min(count, len(prompts) + 1))  # not the sampled one: same distribution, other draws
+        assert [speculated[i][0] for i in greedy_ids] == [plain[i][0] for i in greedy_ids]
+        stats = engine.proposer.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # some guesses kept, some rolled back
+        assert engine.proposer.num_free_blocks == engine.block_manager.num_blocks  # the draft's pool is free too
+
+
+@pytest.mark.parametrize("fields", [{"method": "draft"}, {"draft_model": "m"}, {"method": "ngram", "draft_model": "m"},
+                                    {"method": "draft", "draft_model": "m", "draft_quantization": "int3"}])
+def test_draft_settings_come_together_or_not_at_all(fields):
+    with pytest.raises(ValueError, match="draft"):
+        SpeculativeConfig(**fields)
+
+
+def test_draft_model_must_share_the_targets_tokenizer(smollm2_loaded, tiny_loaded):
+    with pytest.raises(ValueError, match="does not share the tokenizer"):
+        _engine(smollm2_loaded, draft=tiny_loaded)
 
 
 def test_stop_conditions_hold_at_token_granularity_inside_an_accepted_run(smollm2_loaded):
@@ -206,10 +257,13 @@ def tiny_loaded(word_tokenizer) -> LoadedModel:
     return LoadedModel(model.eval().requires_grad_(False), config, word_tokenizer(48), Path("tiny-spec-llama"))
 
 
-def test_blocks_and_prefix_cache_stay_exact_after_200_mixed_requests(tiny_loaded):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_blocks_and_prefix_cache_stay_exact_after_200_mixed_requests(tiny_loaded, method):
     """200 requests (greedy and sampled, some that cannot propose, shared prefixes, n > 1): every block is
     free with zero ref counts afterwards, and the same requests with the prefix cache hot give the same
     greedy tokens with speculation on and off."""
+    draft = _noisy_copy(tiny_loaded, scale=0.3) if method == "draft" else None
+    spec = NGRAM if method == "ngram" else None
     rng = random.Random(3)
     prefix = [rng.randrange(48) for _ in range(40)]
     prompts = [prefix[: rng.randint(17, 40)] + [rng.randrange(8) for _ in range(rng.randint(1, 30))]
@@ -219,28 +273,68 @@ def test_blocks_and_prefix_cache_stay_exact_after_200_mixed_requests(tiny_loaded
               if i % 3 == 1 else SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.2,
                                                 ignore_eos=True)
               for i in range(200)]
-    engine = _engine(tiny_loaded, NGRAM, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512)
+    engine = _engine(tiny_loaded, spec, draft=draft, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512)
     _run(engine, prompts, params)
     assert all(engine.block_manager.ref_count(b) == 0 for b in range(engine.block_manager.num_blocks))
     assert engine.proposer.stats.num_accepted_tokens > 0
+    if draft is not None:
+        assert engine.proposer.num_free_blocks == engine.block_manager.num_blocks
     greedy = [i for i in range(200) if i % 3 == 0]
     results = {}
-    for name, spec in (("off", None), ("on", NGRAM)):
-        engine = _engine(tiny_loaded, spec, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512)
+    for name, on in (("off", False), ("on", True)):
+        engine = _engine(tiny_loaded, spec if on else None, draft=draft if on else None, max_num_seqs=32,
+                         max_num_batched_tokens=256, max_model_len=512)
         for _ in range(2):  # the second pass reads the prefix cache the first one filled
             results[name] = _run(engine, [prompts[i] for i in greedy], [params[i] for i in greedy])
         assert engine.block_manager.prefix_stats.num_hit_tokens > 0
     assert {i: r[0] for i, r in results["on"].items()} == {i: r[0] for i, r in results["off"].items()}
 
 
-def test_engine_draws_match_the_targets_probabilities_with_speculation(tiny_loaded):
+def test_a_short_draft_pool_costs_proposals_never_tokens(tiny_loaded):
+    """A pool that cannot hold every sequence (the target preempts, the draft gives blocks back or drafts
+    nothing): greedy outputs equal plain decoding's, and both pools end free."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(48) for _ in range(rng.randint(20, 60))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    plain = _run(_engine(tiny_loaded, num_blocks=24, max_model_len=256), prompts, params)
+    engine = _engine(tiny_loaded, num_blocks=24, draft=_noisy_copy(tiny_loaded, scale=0.3), max_model_len=256)
+    assert {i: r[0] for i, r in _run(engine, prompts, params).items()} == {i: r[0] for i, r in plain.items()}
+    assert engine.scheduler.num_preemptions > 0 and engine.proposer.stats.num_drafts > 0
+    assert engine.proposer.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_failing_draft_model_costs_proposals_never_requests(tiny_loaded, monkeypatch):
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2
+    plain = _run(_engine(tiny_loaded, max_model_len=256), prompts, params)
+    engine = _engine(tiny_loaded, draft=_noisy_copy(tiny_loaded, scale=0.3), max_model_len=256)
+    forward = engine.proposer._forward
+    calls = []
+
+    def fails_every_third_call(feeds):
+        calls.append(len(feeds))
+        if len(calls) % 3 == 2:
+            raise RuntimeError("draft fault")
+        return forward(feeds)
+
+    monkeypatch.setattr(engine.proposer, "_forward", fails_every_third_call)
+    out = _run(engine, prompts, params)
+    assert {i: r[0] for i, r in out.items()} == {i: r[0] for i, r in plain.items()}
+    assert all(r[2] is FinishReason.LENGTH for r in out.values())
+    assert len(calls) > 3 and engine.proposer.stats.num_drafts > 0
+    assert engine.proposer.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_engine_draws_match_the_targets_probabilities_with_speculation(tiny_loaded, method):
     """Sampled at temperature 1 through the engine: the second output token (the first comes from the
     prefill, which never proposes), conditioned on the most frequent first token, against the target's
     exact softmax for that context. The prompt holds every token once, so any first token finds an n-gram
     (its own earlier occurrence) and every second token is drawn through verification."""
     prompt = random.Random(5).sample(range(48), 48)
     count = 20_000
-    engine = _engine(tiny_loaded, NGRAM, num_blocks=1024, max_num_seqs=128, max_num_batched_tokens=2048,
+    draft = _noisy_copy(tiny_loaded, scale=0.3) if method == "draft" else None
+    engine = _engine(tiny_loaded, NGRAM, num_blocks=1024, draft=draft, max_num_seqs=128, max_num_batched_tokens=2048,
                      max_model_len=512)  # blocks for all 128: a proposal never waits for one
     results = _run(engine, [prompt] * count, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)] * count)
     firsts = Counter(ids[0] for ids, _, _ in results.values())

@@ -46,14 +46,19 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     s = parser.add_argument_group("speculative decoding (lossless: the output is the model's own)")
     s.add_argument("--speculative-method", default=SpeculativeConfig.method, choices=SPECULATIVE_METHODS,
-                   help="ngram: propose what followed the sequence's latest earlier n-gram (prompt lookup); "
-                        "pays off when the output copies the input (default: off)")
+                   help="ngram: propose what followed the sequence's latest earlier n-gram (prompt lookup), "
+                        "pays off when the output copies the input; draft: the greedy guesses of --draft-model "
+                        "(default: off)")
     s.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
                    metavar="K", help="proposed tokens per sequence and step, at most")
     s.add_argument("--ngram-min", type=int, default=SpeculativeConfig.ngram_min)
     s.add_argument("--ngram-max", type=int, default=SpeculativeConfig.ngram_max)
     s.add_argument("--speculative-disable-batch-size", type=int, default=SpeculativeConfig.disable_by_batch_size,
                    metavar="N", help="no proposals in a step with more than N running sequences")
+    s.add_argument("--draft-model", default=SpeculativeConfig.draft_model, metavar="MODEL",
+                   help="for --speculative-method draft: a model with the same tokenizer (alias, .gguf, HF folder)")
+    s.add_argument("--draft-quantization", default=SpeculativeConfig.draft_quantization, choices=QUANTIZATIONS,
+                   help="the draft model's weight-only format (it then runs in bfloat16)")
 
 
 def _generation_config_args(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +97,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig(
             method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-            disable_by_batch_size=args.speculative_disable_batch_size),
+            disable_by_batch_size=args.speculative_disable_batch_size, draft_model=args.draft_model,
+            draft_quantization=args.draft_quantization),
     )
 
 

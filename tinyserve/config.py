@@ -187,7 +187,7 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 
 
@@ -197,7 +197,8 @@ class SpeculativeConfig:
     tokens of each decoding sequence, one forward verifies them, and rejection sampling keeps the longest
     accepted run plus one token of the target's, so the output is the target's alone (lossless)."""
 
-    method: SpeculativeMethod | None = None  # None: off; "ngram": prompt lookup over the sequence itself
+    # None: off; "ngram": prompt lookup over the sequence itself; "draft": a draft model's greedy guesses
+    method: SpeculativeMethod | None = None
     num_speculative_tokens: int = 4  # proposed tokens per sequence and step, at most
     # n-gram lookup: the longest suffix of ngram_max .. ngram_min tokens that occurred before proposes
     # what followed its latest earlier occurrence
@@ -206,11 +207,22 @@ class SpeculativeConfig:
     # a step with more running sequences than this proposes nothing: the batch already fills the linears
     # (vLLM's disable_by_batch_size); None: always propose
     disable_by_batch_size: int | None = 8
+    # method "draft": the draft model (alias, GGUF file or HF folder) with the target's tokenizer, and its
+    # weight format; quantized, it runs in bfloat16, else in the engine's dtype
+    draft_model: str | None = None
+    draft_quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}; "
                              f"got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model is given with speculative method 'draft', and only with it "
+                             f"(method {self.method!r}, draft model {self.draft_model!r})")
+        if self.draft_quantization is not None and (self.draft_model is None
+                                                    or self.draft_quantization not in QUANTIZATIONS):
+            raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, with a draft model; "
+                             f"got {self.draft_quantization!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -29,7 +29,8 @@ from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
-from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model
+from tinyserve.engine.memory import kv_bytes_per_token, resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
@@ -49,10 +50,16 @@ GENERATION_FAILED = "generation failed"
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, draft: LoadedModel | None = None):
+        """`loaded` and `draft` (speculative method "draft"): models already loaded, else loaded here."""
         if loaded is None:
             map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory.py)
             loaded = load_model(config.model, config.dtype, config.device, config.quantization)
+        if config.speculative.method == "draft":
+            draft = draft or load_draft_model(config)
+            check_same_tokenizer(loaded, draft)
+        else:
+            assert draft is None, "a draft model without speculative method 'draft'"
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         # for the fields a request leaves out; the server and tinyserve.LLM apply them
@@ -60,7 +67,8 @@ class LLMEngine:
         device, dtype = device_and_dtype(loaded.model)
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
-        cache_config = resolve_cache_config(config.cache, loaded.config, dtype, device, max_model_len)
+        draft_bytes = kv_bytes_per_token(draft.config, device_and_dtype(draft.model)[1]) if draft else 0
+        cache_config = resolve_cache_config(config.cache, loaded.config, dtype, device, max_model_len, draft_bytes)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
@@ -75,8 +83,13 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
                                   fill_bitmask=self.structured_outputs.fill_bitmask)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.proposer = (NgramProposer(config.speculative, max_model_len)
-                         if config.speculative.method == "ngram" else None)
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if config.speculative.method == "ngram":
+            self.proposer = NgramProposer(config.speculative, max_model_len)
+        elif config.speculative.method == "draft":
+            self.proposer = DraftModelProposer(config.speculative, max_model_len, draft.model,
+                                               loaded.config.vocab_size, cache_config.num_blocks,
+                                               cache_config.block_size)
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its unfinished samples' group
         self.num_steps = 0
         self.num_failed_requests = 0
@@ -259,6 +272,8 @@ class LLMEngine:
         """The one exit of a request: out of the scheduler (its blocks freed), its generator dropped, its
         group forgotten after its last sample. The detokenizer goes once the final output is built."""
         self.scheduler.remove(request)
+        if self.proposer is not None:
+            self.proposer.release(request)
         request.finish_reason = reason
         request.finished_time = time.monotonic()
         request.generator = None

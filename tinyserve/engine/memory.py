@@ -26,10 +26,16 @@ def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
     return requested
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """How many blocks a budget holds: 2 x layers x kv_heads x head_dim x dtype size per token."""
-    dtype_size = torch.empty((), dtype=dtype).element_size()
-    return budget_bytes // (config.kv_bytes_per_token(dtype_size) * block_size)
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """2 x layers x kv_heads x head_dim x dtype size."""
+    return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                          draft_bytes_per_token: int = 0) -> int:
+    """How many blocks a budget holds, each block's tokens costing the model's K/V and, with a draft model,
+    the draft pool's (which has as many blocks: engine/draft_model.py)."""
+    return budget_bytes // ((kv_bytes_per_token(config, dtype) + draft_bytes_per_token) * block_size)
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -40,8 +46,9 @@ def _free_device_bytes(device: torch.device) -> int:
 
 
 def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                         max_model_len: int) -> CacheConfig:
-    """Fill num_blocks from the budget; refuse a budget that cannot hold one max-length sequence."""
+                         max_model_len: int, draft_bytes_per_token: int = 0) -> CacheConfig:
+    """Fill num_blocks from the budget (shared with a draft model's pool of as many blocks, whose K/V cost
+    draft_bytes_per_token); refuse a budget that cannot hold one max-length sequence."""
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
         budget = None
@@ -52,7 +59,7 @@ def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dt
             budget = int(cache.cpu_kv_cache_memory_gib * GIB)
         else:
             budget = int(_free_device_bytes(device) * cache.memory_fraction)
-        num_blocks = num_blocks_for_budget(model, cache.block_size, dtype, budget)
+        num_blocks = num_blocks_for_budget(model, cache.block_size, dtype, budget, draft_bytes_per_token)
     num_tokens = num_blocks * cache.block_size
     if num_tokens < max_model_len:
         what = f"{budget / GIB:.3f} GiB" if budget is not None else f"{num_blocks} blocks"
@@ -61,7 +68,9 @@ def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dt
             f"({max_model_len} tokens): raise --kv-cache-memory or lower --max-model-len"
         )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f max-length sequences of %d)",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f max-length sequences of %d) at %d bytes per token%s",
         num_blocks, cache.block_size, num_tokens, num_tokens / max_model_len, max_model_len,
+        kv_bytes_per_token(model, dtype), f" + {draft_bytes_per_token} for the draft model's pool"
+        if draft_bytes_per_token else "",
     )
     return replace(cache, num_blocks=num_blocks)

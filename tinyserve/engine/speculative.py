@@ -2,7 +2,7 @@
 one forward pass can verify several (engine/rejection_sampler.py keeps the longest accepted run plus one
 token of the target's own, which makes the output the target model's alone).
 
-The guess here is prompt lookup (n-gram): the longest suffix of the sequence, ngram_max down to ngram_min
+The guess here is prompt lookup (n-gram; the other proposer, a draft model, is engine/draft_model.py): the longest suffix of the sequence, ngram_max down to ngram_min
 tokens, that occurred earlier in its prompt or output proposes the tokens that followed its latest earlier
 occurrence. It costs no model, only a search (bytes.rfind over the token ids as int32), and pays off when
 the output copies its input: summaries, edits, code changes.
@@ -60,6 +60,20 @@ def tokens_left(request: Request, max_model_len: int) -> int:
     return min(limits)
 
 
+def proposal_sizes(config: SpeculativeConfig, running: list[Request], max_model_len: int) -> list[tuple[Request, int]]:
+    """(request, the most tokens it may propose, >= 1) for the running requests that may propose this step;
+    every running request's spec_token_ids is cleared. None propose in a step with more running sequences
+    than disable_by_batch_size."""
+    for request in running:
+        request.spec_token_ids = []
+    if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
+        return []
+    # a step emits the accepted proposals plus one token: leave room for that one
+    sizes = ((r, min(config.num_speculative_tokens, tokens_left(r, max_model_len) - 1))
+             for r in running if can_speculate(r))
+    return [(request, k) for request, k in sizes if k > 0]
+
+
 class NgramProposer:
     """Sets each running request's spec_token_ids for the next step (empty where it proposes nothing)."""
 
@@ -70,11 +84,8 @@ class NgramProposer:
 
     def propose(self, running: list[Request]) -> None:
         cfg = self.config
-        is_off = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
-        for request in running:
-            request.spec_token_ids = []
-            if is_off or not can_speculate(request):
-                continue
-            # a step emits the accepted proposals plus one token: leave room for that one
-            k = min(cfg.num_speculative_tokens, tokens_left(request, self.max_model_len) - 1)
+        for request, k in proposal_sizes(cfg, running, self.max_model_len):
             request.spec_token_ids = ngram_proposal(request.all_token_ids, cfg.ngram_min, cfg.ngram_max, k)
+
+    def release(self, request: Request) -> None:
+        """Nothing to drop: prompt lookup keeps no state of a request's."""
