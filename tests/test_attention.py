@@ -1,5 +1,6 @@
 """Paged attention (batched decodes + per-sequence prefill chunks, via SDPA) against the plain
-reference and against dense causal attention, with scattered block tables and mixed lengths."""
+reference and against dense causal attention, with scattered block tables and mixed lengths, with and
+without a sliding window."""
 
 import dataclasses
 
@@ -14,17 +15,21 @@ from tinyserve.layers.kv_cache import KVCache, write_kv
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
 
-def _dense_causal(q, k, v, scale):
-    """Textbook attention over one whole sequence: q [L, H, D], k/v [L, KVH, D]."""
+def _dense_causal(q, k, v, scale, window=None):
+    """Textbook attention over one whole sequence: q [L, H, D], k/v [L, KVH, D]. With a window, query i
+    sees keys i - window + 1 .. i (transformers' Mistral: kv_idx > q_idx - window)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+    if window is not None:
+        mask &= torch.ones_like(mask).triu(1 - window)
     weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 
-def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=BLOCK):
+def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=BLOCK,
+           window=None):
     """seqs: list of (cached_len, new_len). Blocks handed out in a shuffled order (scattered tables)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + 3
@@ -48,7 +53,7 @@ def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HE
     meta = AttentionMetadata.build(
         torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size=block,
         num_blocks=num_blocks, num_heads=heads, num_kv_heads=kv_heads, device=torch.device("cpu"),
-        decode_kernel=decode_kernel, kv_caches=[cache],
+        decode_kernel=decode_kernel, kv_caches=[cache], sliding_windows=(window,),
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.slot_mapping)
@@ -72,17 +77,19 @@ def test_decode_kernel_builds_on_this_cpu():
     assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
 
 
+@pytest.mark.parametrize("window", [None, 5, 1], ids=["full", "window-5", "window-1"])
 @pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("seqs", MIXES)
-def test_paged_equals_reference_and_dense(seqs, decode_kernel):
-    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel)
+def test_paged_equals_reference_and_dense(seqs, decode_kernel, window):
+    """Window 5 over blocks of 4 starts mid-block; window 1 is each token alone."""
+    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window)
     scale = HEAD_DIM**-0.5
-    ours = paged_attention(q, cache, meta, scale, k, v)
-    ref = reference_paged_attention(q, cache, meta, scale)
+    ours = paged_attention(q, cache, meta, scale, k, v, window)
+    ref = reference_paged_attention(q, cache, meta, scale, window)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     start = 0
     for (cached, new), (fq, fk, fv) in zip(seqs, full):
-        dense = _dense_causal(fq, fk, fv, scale)[cached:]
+        dense = _dense_causal(fq, fk, fv, scale, window)[cached:]
         torch.testing.assert_close(ours[start : start + new], dense, atol=1e-5, rtol=1e-5)
         start += new
 
@@ -116,6 +123,61 @@ def test_causal_mask_offsets_by_cached_tokens():
     assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
 
 
+def test_causal_mask_with_a_window_from_a_first_key():
+    """Queries at positions 3 and 4 with window 2: keys 2..3 and 3..4, over the keys from position 1 on."""
+    mask = causal_mask(2, 5, torch.device("cpu"), window=2, first=1)
+    assert mask.tolist() == [[False, True, True, False], [False, False, True, True]]
+
+
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_a_window_reads_no_block_before_it(decode_kernel):
+    """NaN in every block that ends before the window of a sequence's first query this step: the result
+    must not change (a NaN read is never masked away: NaN + -inf is NaN). Block 0 is spared: it pads the
+    block tables, and the decode groups read it (masked) past a short sequence's end."""
+    window = 6
+    seqs = [(30, 1), (17, 1), (3, 1), (20, 5), (9, 12), (0, 13)]
+    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window)
+    for i, (cached, _) in enumerate(seqs):
+        for b in range(max(0, cached + 1 - window) // BLOCK):
+            if meta.block_tables[i, b] == 0:
+                continue
+            cache.key[:, meta.block_tables[i, b]] = float("nan")
+            cache.value[:, meta.block_tables[i, b]] = float("nan")
+    ours = paged_attention(q, cache, meta, HEAD_DIM**-0.5, k, v, window)
+    start = 0
+    for (cached, new), (fq, fk, fv) in zip(seqs, full):
+        dense = _dense_causal(fq, fk, fv, HEAD_DIM**-0.5, window)[cached:]
+        torch.testing.assert_close(ours[start : start + new], dense, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 4, 7, 16, 500])
+def test_decode_kernel_with_a_window_against_dense(window, dtype):
+    """The kernel called directly: each sequence's last token against dense windowed attention, every
+    key before its window NaN (also those sharing a block with the window's first key), so a kernel
+    that read one would return NaN. Windows shorter than a block, unaligned, aligned, past every length."""
+    seqs = [(c, 1) for c in (40, 23, 16, 15, 3, 0)]
+    cache, meta, q, k, v, full = _build(seqs, dtype, seed=window, decode_kernel=True, window=window)
+    for i, (cached, _) in enumerate(seqs):
+        for p in range(max(0, cached + 1 - window)):
+            block = meta.block_tables[i, p // BLOCK]
+            cache.key[:, block, p % BLOCK] = float("nan")
+            cache.value[:, block, p % BLOCK] = float("nan")
+    ours = cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.block_tables, meta.seq_lens,
+                                              HEAD_DIM**-0.5, window).float()
+    dense = torch.stack([_dense_causal(fq.float(), fk.float(), fv.float(), HEAD_DIM**-0.5, window)[-1]
+                         for fq, fk, fv in full])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, dense, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_kernel_refuses_a_window_below_one():
+    q, cache, tables, seq_lens = _kernel_inputs()
+    with pytest.raises(RuntimeError, match="window must be >= 1"):
+        cpu_kernels.paged_decode_attention(q, cache.key, cache.value, tables, seq_lens, 1.0, 0)
+
+
 def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
     assert decode_group_bounds([]) == []
     assert decode_group_bounds([9] * 15) == [(0, 15)]
@@ -123,10 +185,13 @@ def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
     assert decode_group_bounds([9] * 100) == [(0, 25), (25, 50), (50, 75), (75, 100)]
     seqs = [(c, 1) for c in range(95, 15, -2)]
     _, meta, *_ = _build(seqs, torch.float32)
-    assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 20), (20, 40)]
+    assert [(g.start, g.end) for g in meta.decode_groups[None]] == [(0, 20), (20, 40)]
     # each group is padded to its own longest sequence (96 and 56 tokens), not to the step's longest
-    assert meta.decode_groups[0].bias.shape == (20, 1, 96)
-    assert meta.decode_groups[1].bias.shape == (20, 1, 56)
+    assert meta.decode_groups[None][0].bias.shape == (20, 1, 96)
+    assert meta.decode_groups[None][1].bias.shape == (20, 1, 56)
+    # with a window of 5, each sequence gathers only the 2 blocks of 4 that its 5 keys can span
+    _, meta, *_ = _build(seqs, torch.float32, window=5)
+    assert [g.bias.shape for g in meta.decode_groups[5]] == [(20, 1, 8), (20, 1, 8)]
 
 
 def test_the_decode_plan_is_complete_before_the_forward():
@@ -134,12 +199,12 @@ def test_the_decode_plan_is_complete_before_the_forward():
     their value bags (one bag per kv head, sequence and query head of its group), and nothing can be set."""
     seqs = [(c, 1) for c in range(40, 0, -1)]
     _, meta, *_ = _build(seqs, torch.float32)
-    for group in meta.decode_groups:
+    for group in meta.decode_groups[None]:
         num_seqs, width = group.end - group.start, group.bias.shape[-1]
         assert group.value_bags.numel() == KV_HEADS * num_seqs * (HEADS // KV_HEADS) * width
         assert group.value_bag_offsets.tolist() == list(range(0, group.value_bags.numel(), width))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        meta.decode_groups[0].value_bags = None
+        meta.decode_groups[None][0].value_bags = None
 
 
 def _kernel_inputs(with_meta=False):

@@ -1,7 +1,8 @@
 """Every supported architecture against transformers on the same tiny random checkpoint: float32 logits
 through the paged cache within 1e-4 (one prefill, and through the engine at every decode step after a
-prefill in one chunk or in many), and the same greedy tokens. Checkpoints are written with
-save_pretrained (safetensors) and read back with loader/hf.py; broken folders must fail loudly."""
+prefill in one chunk or in many), and the same greedy tokens; Mistral also with a sliding window far
+shorter than the contexts. Checkpoints are written with save_pretrained (safetensors) and read back with
+loader/hf.py; broken folders must fail loudly."""
 
 import json
 import shutil
@@ -40,12 +41,16 @@ CASES = {
                                                                "rope_theta": 10000.0}),
                           tf.LlamaForCausalLM),
     "mistral": (lambda: tf.MistralConfig(**_SMALL, sliding_window=4096), tf.MistralForCausalLM),
+    # eager: transformers' plain attention applies the window through its mask (checked below)
+    "mistral-window": (lambda: tf.MistralConfig(**_SMALL, sliding_window=WINDOW, attn_implementation="eager"),
+                       tf.MistralForCausalLM),
     "qwen2": (lambda: tf.Qwen2Config(**_SMALL, tie_word_embeddings=True), tf.Qwen2ForCausalLM),
     "qwen3": (lambda: tf.Qwen3Config(**_SMALL, head_dim=32, tie_word_embeddings=True), tf.Qwen3ForCausalLM),
     "gpt2": (lambda: tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_inner=96, vocab_size=VOCAB, n_positions=256,
                                    bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1), tf.GPT2LMHeadModel),
 }
 SEQ_LENS = (1, 37, 100)
+WINDOW = 16  # "mistral-window": the contexts above and the engine's (up to 49 tokens) are 2-6 windows long
 
 
 def _load(folder: Path) -> torch.nn.Module:
@@ -121,10 +126,17 @@ def test_engine_logits_at_every_decode_step_match_transformers(case, budget, wor
     token against transformers' on the same tokens (teacher-forced: it reads the tokens our engine
     picked). Decodes take the C++ decode kernel where it is built, and positions, block tables and slots
     are the model runner's for a mixed batch (forward_sequence builds its own, for one sequence)."""
+    _check_engine_logits(case, budget, 4, word_tokenizer, record_logits)
+
+
+def _check_engine_logits(case, budget: int, block_size: int, word_tokenizer, record_logits,
+                         torch_decode: bool = False) -> None:
     name, hf, folder, ours = case
-    config = EngineConfig(cache=CacheConfig(num_blocks=64, block_size=4),
+    config = EngineConfig(cache=CacheConfig(num_blocks=64, block_size=block_size),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget))
     engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
+    if torch_decode:
+        engine.runner.decode_kernel = False  # the decode groups' torch ops, as off the CPU kernels
     logits = record_logits(engine)
     sequences = _sequences(seed=2)
     prompts = [sequences[1], sequences[2][:21], sequences[2][50:53]]  # 37, 21 and 3 tokens
@@ -155,12 +167,13 @@ def test_engine_logits_at_every_decode_step_match_transformers(case, budget, wor
 def test_config_flags(case):
     name, hf, folder, ours = case
     config = hf_model_config(folder)
-    expected_family = {"llama3-untied": "llama", "llama-linear-tied": "llama", "mistral": "llama"}.get(name, name)
+    expected_family = {"llama3-untied": "llama", "llama-linear-tied": "llama", "mistral": "llama",
+                       "mistral-window": "llama"}.get(name, name)
     assert config.architecture == expected_family
     assert config.attention_bias == (name == "qwen2")
     assert config.qk_norm == (name == "qwen3")
     assert config.tie_word_embeddings == (name in ("llama-linear-tied", "qwen2", "qwen3", "gpt2"))
-    assert config.sliding_window == (4096 if name == "mistral" else None)
+    assert config.sliding_window == {"mistral": 4096, "mistral-window": WINDOW}.get(name)
     if name == "qwen3":
         assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
     if name == "llama3-untied":
@@ -168,6 +181,50 @@ def test_config_flags(case):
         assert config.rope_scaling.original_max_position_embeddings == 32
     if name == "gpt2":
         assert (config.intermediate_size, config.max_position_embeddings, config.hidden_act) == (96, 256, "gelu_new")
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    return _make_case("mistral-window", tmp_path_factory)
+
+
+def test_the_window_changes_transformers_logits(windowed):
+    """Keeps the window's fidelity tests from passing vacuously: transformers' Mistral must apply the
+    window (positions from WINDOW on differ from full attention), and so must each of our layers."""
+    _, hf, _, ours = windowed
+    ids = torch.tensor([_sequences()[2]])
+    with torch.no_grad():
+        windowed_logits = hf(ids).logits[0]
+        hf.config.sliding_window = None
+        try:
+            full_logits = hf(ids).logits[0]
+        finally:
+            hf.config.sliding_window = WINDOW
+    diff = (windowed_logits - full_logits).abs().amax(dim=-1)  # [len]
+    assert diff[:WINDOW].max() == 0 and diff[WINDOW:].min() > 1e-3
+    assert {layer.self_attn.attn.sliding_window for layer in ours.model.layers} == {WINDOW}
+
+
+@pytest.mark.parametrize("step_tokens, decode_kernel", [(8, False), (1, True), (1, False)],
+                         ids=["8-token-chunks", "decode-kernel", "decode-torch-ops"])
+def test_windowed_logits_at_every_position_match_transformers(windowed, step_tokens, decode_kernel):
+    """16-token blocks, 100 tokens (6 windows): every position computed in 8-token chunks (each attending
+    to its cached prefix within the window), or one token at a time as decodes, through the C++ kernel or
+    the torch ops."""
+    _, hf, _, ours = windowed
+    ids = _sequences()[2]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float()
+    got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, decode_kernel=decode_kernel)
+    diff = (got - expected).abs().max().item()
+    assert diff <= 1e-4, f"max |ours - transformers| = {diff:.2e}"
+
+
+@pytest.mark.parametrize("torch_decode", [False, True], ids=["decode-kernel", "decode-torch-ops"])
+@pytest.mark.parametrize("budget", [512, 8], ids=["one-chunk", "chunked"])
+def test_windowed_engine_logits_match_transformers(windowed, budget, torch_decode, word_tokenizer, record_logits):
+    """The engine test above with a window and blocks as long as the window."""
+    _check_engine_logits(windowed, budget, 16, word_tokenizer, record_logits, torch_decode)
 
 
 def test_sharded_checkpoint_loads_identically(llama_folder, tmp_path):
@@ -294,6 +351,9 @@ def test_qwen_sliding_window_only_when_enabled(tmp_path):
     raw = {"architectures": ["Qwen2ForCausalLM"], **_SMALL, "rms_norm_eps": 1e-6, "sliding_window": 128,
            "use_sliding_window": False}
     assert hf_model_config(_config_folder(tmp_path, raw)).sliding_window is None
+    # enabled, Qwen's window covers only the layers from max_window_layers on: refused, not applied to all
+    with pytest.raises(ModelLoadError, match="use_sliding_window"):
+        hf_model_config(_config_folder(tmp_path, {**raw, "use_sliding_window": True}))
 
 
 def test_hf_ignored_drops_lm_head_only_when_tied():

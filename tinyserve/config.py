@@ -74,9 +74,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mistral-style sliding-window attention: each token sees at most this many previous tokens. The
-    # attention layers do not implement the window, so the engine must cap the context (max_model_len)
-    # at it; within the window, full attention is exact. None: no window.
+    # Mistral-style sliding-window attention: each token attends to at most this many tokens, itself
+    # included (layers/attention.py), in every layer. None: full attention.
     sliding_window: int | None = None
 
     # Upper bounds on the sizes, each well above every released model's value (the largest known in
@@ -118,6 +117,11 @@ class ModelConfig:
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or unset), got {self.sliding_window!r}")
+
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Each attention layer's sliding window (None: full attention): the one place models and the
+        decode plan (layers/attention_metadata.py) read it, so a family with per-layer windows sets it here."""
+        return (self.sliding_window,) * self.num_hidden_layers
 
     def _check_sizes(self) -> None:
         for name, limit in self.MAX_SIZES.items():

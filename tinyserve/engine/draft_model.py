@@ -95,6 +95,7 @@ class DraftModelProposer:
         self.device, self.dtype = device_and_dtype(model)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        self.sliding_windows = frozenset(model.config.layer_sliding_windows())  # one decode plan per window
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._sequences: dict[Request, _DraftSequence] = {}
@@ -161,7 +162,8 @@ class DraftModelProposer:
         meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
                                        num_heads=self.model.config.num_attention_heads,
                                        num_kv_heads=self.model.config.num_key_value_heads, device=self.device,
-                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache)
+                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
+                                       sliding_windows=self.sliding_windows)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)

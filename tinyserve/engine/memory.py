@@ -16,9 +16,8 @@ GIB = 1 << 30
 
 
 def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
+    """The model's whole context: sliding-window layers attend exactly at any length (layers/attention.py)."""
     limit = config.max_position_embeddings
-    if config.sliding_window is not None:  # attention has no window: stay where full attention is exact
-        limit = min(limit, config.sliding_window)
     if requested is None:
         return limit
     if requested > limit:
@@ -67,9 +66,12 @@ def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dt
             f"KV cache budget of {what} holds {num_tokens} tokens, fewer than one max-length sequence "
             f"({max_model_len} tokens): raise --kv-cache-memory or lower --max-model-len"
         )
+    # NOTE: a sliding-window layer still keeps every block of its sequence (none is freed as it leaves the
+    # window), so a max-length sequence holds max_model_len tokens of KV in every layer, as the line says.
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f max-length sequences of %d) at %d bytes per token%s",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f max-length sequences of %d%s) at %d bytes per token%s",
         num_blocks, cache.block_size, num_tokens, num_tokens / max_model_len, max_model_len,
+        "; sliding-window layers keep every block too" if any(w is not None for w in model.layer_sliding_windows()) else "",
         kv_bytes_per_token(model, dtype), f" + {draft_bytes_per_token} for the draft model's pool"
         if draft_bytes_per_token else "",
     )

@@ -83,6 +83,7 @@ class ModelRunner:
         self.model = model
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.sliding_windows = frozenset(model.config.layer_sliding_windows())  # one decode plan per window
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
         self.sampler = Sampler(seed)
         # constrained sequences' token masks (StructuredOutputs.fill_bitmask), computed on a worker thread
@@ -169,7 +170,8 @@ class ModelRunner:
         device = self.device
         meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
                                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=device,
-                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache)
+                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
+                                       sliding_windows=self.sliding_windows)
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

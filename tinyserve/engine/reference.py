@@ -53,7 +53,7 @@ class _ReferenceRunner:
             block_tables=[self.block_table], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
             num_blocks=len(self.block_table), num_heads=self.model.config.num_attention_heads,
             num_kv_heads=self.model.config.num_key_value_heads, device=self.device, decode_kernel=self.decode_kernel,
-            kv_caches=self.kv_caches,
+            kv_caches=self.kv_caches, sliding_windows=self.model.config.layer_sliding_windows(),
         )
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)

@@ -6,6 +6,11 @@ query token each, longest context first), then prefill chunks (many query tokens
 attended as the step's plan says (layers/attention_metadata.py): in one call of our C++ kernel, or in a
 few batched torch calls over groups of similar length; prefill chunks one sequence at a time through
 SDPA, each with its causal mask offset by the tokens already in the cache.
+
+Sliding window (per layer, Mistral's and transformers' meaning): the query at position p attends to keys
+p - W + 1 .. p, W keys itself included; None is full attention. Every path reads only the blocks from
+the window's start on (the kernel and the decode groups from each sequence's own, a prefill chunk from
+its first query's), and masks the rest.
 """
 
 from __future__ import annotations
@@ -20,12 +25,20 @@ from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.kv_cache import KVCache, gather_kv, write_kv
 
 
-def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """[query_len, seq_len] bool, True where attention is allowed. The queries are the last query_len
-    positions of the sequence, so query i sees keys 0 .. seq_len - query_len + i."""
-    offset = seq_len - query_len
-    q_pos = torch.arange(query_len, device=device).unsqueeze(1) + offset
-    return torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+def first_key(position: int, window: int | None) -> int:
+    """The first key the query at `position` attends to."""
+    return 0 if window is None else max(0, position + 1 - window)
+
+
+def causal_mask(query_len: int, seq_len: int, device: torch.device, window: int | None = None,
+                first: int = 0) -> torch.Tensor:
+    """[query_len, seq_len - first] bool, True where attention is allowed, over keys first .. seq_len - 1.
+    The queries are the last query_len positions of the sequence, so query i (at p = seq_len - query_len + i)
+    sees keys max(0, p - window + 1) .. p."""
+    q_pos = torch.arange(query_len, device=device).unsqueeze(1) + (seq_len - query_len)
+    k_pos = torch.arange(first, seq_len, device=device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    return allowed if window is None else allowed & (k_pos > q_pos - window)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -60,46 +73,49 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale:
 
 
 def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                    new_k: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:
+                    new_k: torch.Tensor, new_v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. The step's K/V are already in
     the cache; new_k/new_v ([num_tokens, kv_heads, head_dim]) spare a gather for a prefill with no
-    cached prefix."""
+    cached prefix. window: the layer's sliding window, None for full attention."""
     nd = meta.num_decodes
     decoded = None
     if meta.decode_kernel and nd:
-        decoded = ops.paged_decode_attention(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        decoded = ops.paged_decode_attention(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                             window)
         if nd == len(meta.query_lens_host):  # a decode-only step: no copy into out
             return decoded
     out = torch.empty_like(q)
     if decoded is not None:
         out[:nd] = decoded
-    for plan in meta.decode_groups:
+    for plan in meta.decode_groups[window]:
         out[plan.start : plan.end] = _decode_attention(q[plan.start : plan.end], cache, plan, scale)
     start = meta.num_decodes
     for i in range(meta.num_decodes, len(meta.query_lens_host)):
         q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
         q_seq = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
-        if q_len == seq_len:  # nothing cached before this chunk: plain causal attention
+        first = first_key(seq_len - q_len, window)  # the chunk's first query's first key
+        if q_len == seq_len:  # nothing cached before this chunk (first is 0): its own K/V
             k = new_k[start : start + q_len].transpose(0, 1)
             v = new_v[start : start + q_len].transpose(0, 1)
-            o = _sdpa(q_seq, k, v, scale, None, True)
         else:
-            k, v = gather_kv(cache, meta.block_tables[i], seq_len)
-            o = _sdpa(q_seq, k, v, scale, causal_mask(q_len, seq_len, q.device), False)
-        out[start : start + q_len] = o.transpose(0, 1)
+            k, v = gather_kv(cache, meta.block_tables[i], seq_len, first)
+        # plain causal attention (SDPA's own mask) where no key is cached and none leaves the window
+        is_causal = q_len == seq_len and (window is None or window >= seq_len)
+        mask = None if is_causal else causal_mask(q_len, seq_len, q.device, window, first)
+        out[start : start + q_len] = _sdpa(q_seq, k, v, scale, mask, is_causal).transpose(0, 1)
         start += q_len
     return out
 
 
-def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+                              window: int | None = None) -> torch.Tensor:
     """The plain algorithm, one sequence and one head at a time in float32: the yardstick for tests."""
     out = torch.empty_like(q)
     group = q.shape[1] // cache.key.shape[0]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         k, v = gather_kv(cache, meta.block_tables[i], seq_len)
-        allowed = causal_mask(q_len, seq_len, q.device)
+        allowed = causal_mask(q_len, seq_len, q.device, window)
         for h in range(q.shape[1]):
             qh = q[start : start + q_len, h].float()  # [q_len, head_dim]
             scores = (qh @ k[h // group].float().T) * scale  # [q_len, seq_len]
@@ -116,14 +132,15 @@ class Attention(DirectCall, nn.Module):
     """Writes this step's K/V into its layer's pool, then attends over the pool. Holds no weights."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_index: int,
-                 scale: float | None = None):
+                 scale: float | None = None, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_index = layer_index  # its pool is the step's meta.kv_caches[layer_index]
         self.scale = scale if scale is not None else head_dim**-0.5
+        self.sliding_window = sliding_window  # keys per query, itself included; None: full attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]"""
         cache = meta.kv_caches[self.layer_index]
         write_kv(cache, k, v, meta.slot_mapping)
-        return paged_attention(q, cache, meta, self.scale, k, v)
+        return paged_attention(q, cache, meta, self.scale, k, v, self.sliding_window)

@@ -5,12 +5,13 @@ attended (the decode plan). No layer changes it.
 The decode plan: with our C++ kernel (`decode_kernel`, where ops.decode_kernel_applies), one call per
 layer for all decodes; otherwise decodes are attended in a few batched torch calls over groups of
 similar length (`decode_groups`), whose gather rows, masks and value bags are computed here, once per
-step, not once per layer.
+step, not once per layer: one set per sliding window the model's layers use (None for full attention),
+each gathering only the blocks inside its window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ class DecodeGroup:
     start: int
     end: int
     rows: torch.Tensor  # [kv_heads * num_seqs * width_blocks] rows of the pool to gather
-    bias: torch.Tensor  # [num_seqs, 1, width_blocks * block_size] float32: 0, or -inf past a sequence's end
+    # [num_seqs, 1, width_blocks * block_size] float32: 0, or -inf past a sequence's end or before its window
+    bias: torch.Tensor
     # token rows of the value pool for each (kv head, sequence, query head of the group), one bag each,
     # and where each bag starts: [kv_heads * num_seqs * group * width_blocks * block_size], [bags]
     value_bags: torch.Tensor
@@ -45,7 +47,9 @@ class AttentionMetadata:
     num_decodes: int  # leading sequences with exactly one query token
     block_size: int
     decode_kernel: bool  # decodes go to our C++ kernel (ops.paged_decode_attention)
-    decode_groups: tuple[DecodeGroup, ...]  # otherwise, these; empty with the kernel or without decodes
+    # otherwise, these, by sliding window (None: full attention), one entry for each window the model's
+    # layers use; each empty with the kernel or without decodes
+    decode_groups: Mapping[int | None, tuple[DecodeGroup, ...]]
     # The pools this step reads and writes, one per attention layer. They travel with the step, not in
     # the model's modules: a loaded model holds no engine state, so engines (and their threads) may share it.
     kv_caches: tuple[KVCache, ...]
@@ -53,17 +57,20 @@ class AttentionMetadata:
     @classmethod
     def build(cls, slot_mapping: list[int], block_tables: list[list[int]], seq_lens: list[int],
               query_lens: list[int], *, block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int,
-              device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache]) -> AttentionMetadata:
-        """From host lists, sequences ordered decodes first. One host-to-device copy per tensor."""
+              device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache],
+              sliding_windows: Collection[int | None] = (None,)) -> AttentionMetadata:
+        """From host lists, sequences ordered decodes first. One host-to-device copy per tensor.
+        sliding_windows: the windows of the model's attention layers (ModelConfig.layer_sliding_windows)."""
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
         slots = torch.tensor(slot_mapping, dtype=torch.int64)
         check_tables(slots, tables, [len(t) for t in block_tables], seq_lens, query_lens, block_size, num_blocks)
         tables = tables.to(device)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        groups = () if decode_kernel else tuple(
-            _decode_group(start, end, tables, seq_lens, num_heads, num_kv_heads, num_blocks, block_size)
-            for start, end in decode_group_bounds(seq_lens[:num_decodes]))
+        bounds = [] if decode_kernel else decode_group_bounds(seq_lens[:num_decodes])
+        groups = {window: tuple(_decode_group(start, end, tables, seq_lens, num_heads, num_kv_heads, num_blocks,
+                                              block_size, window) for start, end in bounds)
+                  for window in set(sliding_windows)}
         return cls(
             slot_mapping=slots.to(device),
             block_tables=tables,
@@ -107,25 +114,35 @@ def decode_group_bounds(seq_lens: list[int]) -> list[tuple[int, int]]:
 
 
 def decode_gather_plan(block_tables: torch.Tensor, seq_lens: list[int], num_kv_heads: int, num_blocks: int,
-                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_size: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pool rows to gather, additive mask) for decode sequences whose tables are `block_tables`.
     Row r of the pool viewed as [kv_heads * num_blocks, block_size * head_dim] is block r % num_blocks
-    of kv head r // num_blocks."""
-    num_seqs = block_tables.shape[0]
-    width = -(-max(seq_lens) // block_size)
-    tables = block_tables[:, :width]
-    heads = torch.arange(num_kv_heads, device=tables.device).view(-1, 1, 1) * num_blocks
+    of kv head r // num_blocks. With a window, each sequence's gather starts at the block holding its
+    first key (max(0, seq_len - window)): width is then the most blocks one window spans, not the longest
+    sequence's table."""
+    device, num_seqs = block_tables.device, block_tables.shape[0]
+    starts = [0 if window is None else max(0, n - window) // block_size for n in seq_lens]  # first block each
+    width = max(-(-n // block_size) - s for n, s in zip(seq_lens, starts))
+    first_block = torch.tensor(starts, device=device).view(num_seqs, 1)
+    columns = first_block + torch.arange(width, device=device)  # [num_seqs, width], past a table's end: masked
+    tables = block_tables.gather(1, columns.clamp_(max=block_tables.shape[1] - 1))
+    heads = torch.arange(num_kv_heads, device=device).view(-1, 1, 1) * num_blocks
     rows = (heads + tables.unsqueeze(0)).reshape(-1)  # [kv_heads * num_seqs * width]
-    lens = torch.tensor(seq_lens, device=tables.device).view(num_seqs, 1, 1)
-    positions = torch.arange(width * block_size, device=tables.device).view(1, 1, -1)
-    bias = torch.zeros(num_seqs, 1, width * block_size, device=tables.device)
-    return rows, bias.masked_fill_(positions >= lens, float("-inf"))
+    lens = torch.tensor(seq_lens, device=device).view(num_seqs, 1, 1)
+    # [num_seqs, 1, width * block_size]: each gathered token's position in its sequence
+    positions = (first_block.view(num_seqs, 1, 1) * block_size
+                 + torch.arange(width * block_size, device=device).view(1, 1, -1))
+    outside = positions >= lens
+    if window is not None:
+        outside |= positions < lens - window
+    bias = torch.zeros(num_seqs, 1, width * block_size, device=device)
+    return rows, bias.masked_fill_(outside, float("-inf"))
 
 
 def _decode_group(start: int, end: int, block_tables: torch.Tensor, seq_lens: list[int], num_heads: int,
-                  num_kv_heads: int, num_blocks: int, block_size: int) -> DecodeGroup:
+                  num_kv_heads: int, num_blocks: int, block_size: int, window: int | None) -> DecodeGroup:
     rows, bias = decode_gather_plan(block_tables[start:end], seq_lens[start:end], num_kv_heads, num_blocks,
-                                    block_size)
+                                    block_size, window)
     # probs x V is a weighted sum of the value pool's token rows (embedding_bag): one bag per (kv head,
     # sequence, query head of the kv head's group), holding the group's gathered token rows
     num_seqs, group, width = end - start, num_heads // num_kv_heads, bias.shape[-1]

@@ -89,11 +89,12 @@ def _named(name: str, kernel, *args):
 
 
 def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """q [num_seqs, heads, head_dim] (one token each); key/value [kv_heads, num_blocks, block_size,
-    head_dim]; block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim]."""
+    head_dim]; block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
+    window: each query attends to its last `window` keys (itself included), None to all."""
     return _named("tinyserve::paged_decode_attention", load().paged_decode_attention,
-                  q.contiguous(), key, value, block_tables, seq_lens, scale)
+                  q.contiguous(), key, value, block_tables, seq_lens, scale, window)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,10 +38,13 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     cache.value.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
-def gather_kv(cache: KVCache, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first seq_len cached K and V, each [num_kv_heads, seq_len, head_dim]."""
+def gather_kv(cache: KVCache, block_table: torch.Tensor, seq_len: int,
+              first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V at positions first .. seq_len - 1, each [num_kv_heads, seq_len - first,
+    head_dim]. Only the blocks holding them are read (a sliding window's start need not be block-aligned)."""
     num_kv_heads, _, block_size, head_dim = cache.key.shape
-    blocks = block_table[: -(-seq_len // block_size)]
-    k = cache.key[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-    v = cache.value[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    blocks = block_table[first // block_size : -(-seq_len // block_size)]
+    rows = slice(first % block_size, first % block_size + seq_len - first)
+    k = cache.key[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, rows]
+    v = cache.value[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, rows]
     return k, v

@@ -124,11 +124,12 @@ def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight) -> torch.Tens
 
 
 def paged_decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int | None) -> torch.Tensor:
     """Decode attention in our kernel (where decode_kernel_applies): q [num_seqs, heads, head_dim], one
     token each; block_tables [num_seqs, width], seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
-    The kernel walks each block table and reads K and V in place."""
-    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale)
+    The kernel walks each block table and reads K and V in place, from the first block of the sliding
+    window (`window` keys, the query's own included) where the layer has one."""
+    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale, window)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

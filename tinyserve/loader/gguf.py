@@ -90,6 +90,8 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             hidden_act="gelu_new" if family == "gpt2" else "silu",
+            # llama.cpp's key for a window on every layer (a converted Mistral may carry it); absent: none
+            sliding_window=get("attention.sliding_window", int, 0) or None,
         )
     except ModelLoadError:
         raise

@@ -117,8 +117,13 @@ def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
         raise ModelLoadError("config.json: mlp_bias=true is not supported")
     theta, scaling = _rope(raw)
     num_heads = _int(raw, "num_attention_heads")
-    # Mistral sets sliding_window alone; Qwen configs carry one that applies only with use_sliding_window.
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    # Mistral sets sliding_window alone, for every layer. Qwen configs carry one that applies only with
+    # use_sliding_window, and then only to the layers from max_window_layers on, which ModelConfig's one
+    # window for all layers cannot say.
+    if family != "llama" and raw.get("use_sliding_window"):
+        raise ModelLoadError(f"config.json: use_sliding_window=true is not supported for {family} "
+                             "(a window on the layers from max_window_layers on)")
+    window = raw.get("sliding_window") if family == "llama" else None
     return dict(
         vocab_size=_int(raw, "vocab_size"),
         hidden_size=_int(raw, "hidden_size"),

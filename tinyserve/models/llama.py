@@ -1,9 +1,9 @@
 """The Llama family: Llama 2/3, TinyLlama, SmolLM2, Mistral; Qwen2 and Qwen3 reuse it with their flags.
 
 Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), each add fused into the norm after it.
-GQA attention over the paged KV cache, rotary positions, SwiGLU MLP, tied or untied LM head. Knows
-nothing of requests: it maps flattened tokens of many sequences (with their positions and attention
-metadata) to hidden states.
+GQA attention over the paged KV cache (Mistral's within its sliding window), rotary positions, SwiGLU
+MLP, tied or untied LM head. Knows nothing of requests: it maps flattened tokens of many sequences (with
+their positions and attention metadata) to hidden states.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class LlamaAttention(DirectCall, nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index,
+                              sliding_window=config.layer_sliding_windows()[layer_index])
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]

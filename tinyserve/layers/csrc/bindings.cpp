@@ -2,8 +2,11 @@
 
 #include <torch/extension.h>
 
+#include <optional>
+
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale);
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                                     std::optional<int64_t> window);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -16,7 +19,9 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
+        py::arg("q"), py::arg("key"), py::arg("value"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = py::none());
   m.def("rms_norm", &rms_norm, "weight * x / rms(x)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");

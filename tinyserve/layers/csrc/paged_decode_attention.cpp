@@ -9,6 +9,10 @@
 //
 // Layout (tinyserve/layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; query head
 // h reads kv head h / (heads / kv_heads). Scores, softmax and sums are float32 whatever the pool's dtype.
+//
+// Sliding window W (a layer's, or none): the token at position len - 1 attends to positions
+// max(0, len - W) .. len - 1. The walk starts at the block holding the first of them, so the blocks
+// before the window are never read.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -26,6 +31,9 @@ using tinyserve::to_float;
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, num_blocks, block_size, table_stride;
   float scale;
+  std::optional<int64_t> window;  // keys per query, itself included; none: the whole sequence
+
+  int64_t first_key(int64_t len) const { return window ? std::max<int64_t>(0, len - *window) : 0; }
 };
 
 // D is a template parameter so that the per-row loops have a fixed trip count and vectorize.
@@ -41,21 +49,24 @@ void decode_attention(const T* q, const T* key, const T* value, const int64_t* t
     std::vector<float> scores, query(group * D), acc(group * D), inv_sum(group);
     for (int64_t thread = first_thread; thread < last_thread; ++thread) {
       for (int64_t job = thread; job < num_jobs; job += num_threads) {
-        const int64_t seq = job / s.num_kv_heads, kv_head = job % s.num_kv_heads, len = seq_lens[seq];
+        const int64_t seq = job / s.num_kv_heads, kv_head = job % s.num_kv_heads, end = seq_lens[seq];
+        const int64_t begin = s.first_key(end), len = end - begin;  // keys begin .. end - 1, as t = 0 .. len - 1
         const int64_t* table = tables + seq * s.table_stride;
         const int64_t pool_rows = kv_head * s.num_blocks;  // first block of this kv head in the pool
-        // Walk block by block, token by token within a block: no division per token.
+        // Walk block by block from the window's first block, token by token within a block: no division
+        // per token.
         auto for_each_row = [&](const T* pool, auto&& visit) {
-          const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
+          const int64_t end_block = (end + s.block_size - 1) / s.block_size;
           const int64_t block_bytes = s.block_size * D * static_cast<int64_t>(sizeof(T));
-          for (int64_t first = 0, b = 0; first < len; first += s.block_size, ++b) {
+          for (int64_t b = begin / s.block_size; b < end_block; ++b) {
             const T* block = pool + (pool_rows + table[b]) * s.block_size * D;
-            if (b + 1 < num_blocks) {  // blocks are scattered: fetch the next one while this one is used
+            if (b + 1 < end_block) {  // blocks are scattered: fetch the next one while this one is used
               const char* next = reinterpret_cast<const char*>(pool + (pool_rows + table[b + 1]) * s.block_size * D);
               for (int64_t byte = 0; byte < block_bytes; byte += 64) __builtin_prefetch(next + byte);
             }
-            const int64_t n = std::min(s.block_size, len - first);
-            for (int64_t i = 0; i < n; ++i) visit(first + i, block + i * D);
+            const int64_t first = b * s.block_size;
+            const int64_t i0 = std::max(begin, first) - first, n = std::min(s.block_size, end - first);
+            for (int64_t i = i0; i < n; ++i) visit(first + i - begin, block + i * D);
           }
         };
         for (int64_t g = 0; g < group; ++g)
@@ -129,7 +140,7 @@ void check_tables(const int64_t* tables, const int64_t* seq_lens, const Shape& s
     TORCH_CHECK(len >= 1 && len <= max_len, "paged_decode_attention: seq_lens[", seq, "] = ", len,
                 " is outside [1, ", max_len, "] (block table width ", table_width, " x block_size ", s.block_size, ")");
     const int64_t* table = tables + seq * s.table_stride;
-    for (int64_t b = 0, used = (len + s.block_size - 1) / s.block_size; b < used; ++b)
+    for (int64_t b = s.first_key(len) / s.block_size, used = (len + s.block_size - 1) / s.block_size; b < used; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < s.num_blocks, "paged_decode_attention: block_tables[", seq, "][", b,
                   "] = ", table[b], " is outside the pool [0, ", s.num_blocks, ")");
   }
@@ -138,10 +149,11 @@ void check_tables(const int64_t* tables, const int64_t* seq_lens, const Shape& s
 }  // namespace
 
 // q [num_seqs, heads, head_dim]; key/value [kv_heads, num_blocks, block_size, head_dim];
-// block_tables [num_seqs, >= blocks used] int64; seq_lens [num_seqs] int64 (>= 1, this token included).
+// block_tables [num_seqs, >= blocks used] int64; seq_lens [num_seqs] int64 (>= 1, this token included);
+// window: the layer's sliding window (>= 1), or none for full attention.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                                     double scale) {
+                                     double scale, std::optional<int64_t> window) {
   TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && key.sizes() == value.sizes() && block_tables.dim() == 2 &&
                   seq_lens.dim() == 1,
               "paged_decode_attention: bad ranks");
@@ -161,9 +173,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.size(1) % key.size(0) == 0 && q.size(2) == key.size(3) && block_tables.size(0) == q.size(0) &&
                   seq_lens.size(0) == q.size(0),
               "paged_decode_attention: shapes do not match");
+  TORCH_CHECK(!window || *window >= 1, "paged_decode_attention: window must be >= 1, got ", window.value_or(0));
   auto out = torch::empty_like(q);
   const Shape s{q.size(0), q.size(1), key.size(0), key.size(1), key.size(2), block_tables.stride(0),
-                static_cast<float>(scale)};
+                static_cast<float>(scale), window};
   check_tables(block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), s, block_tables.size(1));
   tinyserve::dispatch_float_types(q, "paged_decode_attention", [&](auto tag) {
     dispatch_head_dim<decltype(tag)>(q, key, value, block_tables, seq_lens, out, s);
