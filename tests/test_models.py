@@ -188,19 +188,23 @@ def windowed(tmp_path_factory):
     return _make_case("mistral-window", tmp_path_factory)
 
 
+def window_effect(hf, no_window: int | None) -> torch.Tensor:
+    """max |logits - logits with config.sliding_window = no_window| at each of 100 positions: [100]."""
+    ids, window = torch.tensor([_sequences()[2]]), hf.config.sliding_window
+    with torch.no_grad():
+        windowed_logits = hf(ids).logits[0]
+        hf.config.sliding_window = no_window
+        try:
+            return (windowed_logits - hf(ids).logits[0]).abs().amax(dim=-1)
+        finally:
+            hf.config.sliding_window = window
+
+
 def test_the_window_changes_transformers_logits(windowed):
     """Keeps the window's fidelity tests from passing vacuously: transformers' Mistral must apply the
     window (positions from WINDOW on differ from full attention), and so must each of our layers."""
     _, hf, _, ours = windowed
-    ids = torch.tensor([_sequences()[2]])
-    with torch.no_grad():
-        windowed_logits = hf(ids).logits[0]
-        hf.config.sliding_window = None
-        try:
-            full_logits = hf(ids).logits[0]
-        finally:
-            hf.config.sliding_window = WINDOW
-    diff = (windowed_logits - full_logits).abs().amax(dim=-1)  # [len]
+    diff = window_effect(hf, None)
     assert diff[:WINDOW].max() == 0 and diff[WINDOW:].min() > 1e-3
     assert {layer.self_attn.attn.sliding_window for layer in ours.model.layers} == {WINDOW}
 

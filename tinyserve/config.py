@@ -54,7 +54,7 @@ class RopeScaling:
 class ModelConfig:
     """Hyper-parameters of one checkpoint, read from config.json or GGUF metadata."""
 
-    architecture: str  # family key in models.registry: "llama", "qwen2", "qwen3", "gpt2"
+    architecture: str  # family key in models.registry: "llama", "qwen2", "qwen3", "gpt2", "gemma3"
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -77,6 +77,14 @@ class ModelConfig:
     # Mistral-style sliding-window attention: each token attends to at most this many tokens, itself
     # included (layers/attention.py), in every layer. None: full attention.
     sliding_window: int | None = None
+    # Gemma 3: per layer, whether the window applies (its local layers; the global ones attend to the
+    # whole context). None: every layer has the window (Mistral's).
+    layer_is_sliding: tuple[bool, ...] | None = None
+    # the rotary base of the windowed layers, without rope_scaling (Gemma 3's rope_local_base_freq);
+    # None: rope_theta, as every other layer
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5 (Gemma); None: head_dim's
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap); None: no cap
 
     # Upper bounds on the sizes, each well above every released model's value (the largest known in
     # brackets), so that a config past one is corrupt or hostile. Checked here, before a model is built
@@ -117,11 +125,27 @@ class ModelConfig:
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or unset), got {self.sliding_window!r}")
+        self._check_gemma_fields()
 
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
         """Each attention layer's sliding window (None: full attention): the one place models and the
         decode plan (layers/attention_metadata.py) read it, so a family with per-layer windows sets it here."""
-        return (self.sliding_window,) * self.num_hidden_layers
+        if self.layer_is_sliding is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if is_sliding else None for is_sliding in self.layer_is_sliding)
+
+    def _check_gemma_fields(self) -> None:
+        if self.layer_is_sliding is not None:
+            if (len(self.layer_is_sliding) != self.num_hidden_layers
+                    or not all(isinstance(b, bool) for b in self.layer_is_sliding)):
+                raise ValueError(f"layer_is_sliding must hold one bool per layer ({self.num_hidden_layers}), "
+                                 f"got {self.layer_is_sliding!r}")
+            if any(self.layer_is_sliding) and self.sliding_window is None:
+                raise ValueError("layer_is_sliding marks windowed layers, but sliding_window is unset")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):  # also false for NaN
+                raise ValueError(f"{name} must be > 0 and finite (or unset), got {value}")
 
     def _check_sizes(self) -> None:
         for name, limit in self.MAX_SIZES.items():

@@ -25,6 +25,18 @@ class RMSNorm(DirectCall, nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class GemmaRMSNorm(DirectCall, nn.Module):
+    """x / rms(x) * (1 + weight), in float32 (Gemma's checkpoints store the weight as an offset from 1)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.gemma_rms_norm(x, self.weight, self.eps)
+
+
 class LayerNorm(DirectCall, nn.Module):
     """Classic LayerNorm with weight and bias (GPT-2)."""
 

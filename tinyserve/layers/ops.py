@@ -68,6 +68,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return torch_rms_norm(residual, weight, eps), residual
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's x / rms(x) * (1 + weight), all in float32 and rounded once at the end: Llama's formula rounds
+    the normalized x before the product, and 1 + weight stored in a bfloat16 checkpoint would lose bits."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
@@ -83,6 +91,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's gelu_new: the tanh approximation of GELU."""
     return F.gelu(x, approximate="tanh")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma) on a fused gate_up projection: [..., 2 * d] -> gelu_tanh(gate) * up, [..., d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from tinyserve.models.registry import family_of_hf_architecture, get_model_class
 # Buffers some checkpoints carry that we recompute or never need: rotary tables, GPT-2's causal mask.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 _SUPPORTED_ACTS = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",),
-                   "gpt2": ("gelu_new", "gelu_pytorch_tanh")}
+                   "gpt2": ("gelu_new", "gelu_pytorch_tanh"), "gemma3": ("gelu_pytorch_tanh",)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
-    """Llama, Mistral, Qwen2, Qwen3 share these names."""
+    """Llama, Mistral, Qwen2, Qwen3 (and Gemma 3) share these names."""
     # Qwen2 always has q/k/v biases (its config has no key for it). Llama's and Qwen3's attention_bias
     # would also put a bias on o_proj, which our LlamaAttention does not have.
     attention_bias = family == "qwen2" or bool(raw.get("attention_bias", False))
@@ -123,7 +124,7 @@ def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
     if family != "llama" and raw.get("use_sliding_window"):
         raise ModelLoadError(f"config.json: use_sliding_window=true is not supported for {family} "
                              "(a window on the layers from max_window_layers on)")
-    window = raw.get("sliding_window") if family == "llama" else None
+    window = raw.get("sliding_window") if family in ("llama", "gemma3") else None
     return dict(
         vocab_size=_int(raw, "vocab_size"),
         hidden_size=_int(raw, "hidden_size"),
@@ -138,10 +139,43 @@ def _llama_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         hidden_act=raw.get("hidden_act", "silu"),
         sliding_window=None if window is None else _as_int(window, "sliding_window"),
     )
+
+
+def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Llama's names, plus local/global layers each with its own rotary base. transformers >= 5 writes
+    `rope_parameters` keyed by layer type; older configs `rope_theta` (+ `rope_scaling`) for the global
+    layers and `rope_local_base_freq` for the local ones."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise ModelLoadError(f"config.json: {key}={raw[key]!r} is not supported for gemma3")
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"config.json: rope scaling on gemma3's sliding layers is not supported ({local})")
+        local_theta = local.get("rope_theta", 10000.0)
+        raw = {**raw, "rope_parameters": {"rope_theta": 1e6, **(params["full_attention"] or {})}}
+    else:
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+        raw = {"rope_theta": 1e6, **raw}  # transformers' defaults for Gemma 3's global and local bases
+    num_layers = _int(raw, "num_hidden_layers")
+    pattern = _as_int(raw.get("sliding_window_pattern", 6), "sliding_window_pattern")  # every pattern-th global
+    layer_types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    if not isinstance(layer_types, list) or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"config.json: layer_types must list sliding_attention or full_attention, "
+                             f"got {layer_types!r}")
+    fields = _llama_fields({**raw, "hidden_act": raw.get("hidden_activation", "gelu_pytorch_tanh")}, "gemma3")
+    return dict(fields, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+                layer_is_sliding=tuple(t == "sliding_attention" for t in layer_types),
+                rope_local_theta=_as_float(local_theta, "rope_local_base_freq"),
+                query_pre_attn_scalar=_as_float(_require(raw, "query_pre_attn_scalar"), "query_pre_attn_scalar"),
+                final_logit_softcapping=(None if raw.get("final_logit_softcapping") is None else
+                                         _as_float(raw["final_logit_softcapping"], "final_logit_softcapping")))
 
 
 def _gpt2_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +208,8 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     raw = _read_config(folder)
     family = _family(raw)
     try:
-        fields = _gpt2_fields(raw) if family == "gpt2" else _llama_fields(raw, family)
+        read = {"gpt2": _gpt2_fields, "gemma3": _gemma3_fields}.get(family, partial(_llama_fields, family=family))
+        fields = read(raw)
         if fields["hidden_act"] not in _SUPPORTED_ACTS[family]:
             raise ModelLoadError(f"config.json: activation {fields['hidden_act']!r} is not supported for {family}")
         generation = (_read_json(folder / "generation_config.json")

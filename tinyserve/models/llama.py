@@ -32,7 +32,8 @@ class LlamaAttention(DirectCall, nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index,
+        scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index, scale,
                               sliding_window=config.layer_sliding_windows()[layer_index])
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -42,11 +43,15 @@ class LlamaAttention(DirectCall, nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
+        if self.q_norm is not None:  # Qwen3 and Gemma 3 normalize each head before rotating it
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
         out = self.attn(q, k, v, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
+
+
+# hidden_act -> the gated activation on a fused gate_up output: SwiGLU (Llama, Qwen), GeGLU (Gemma)
+_GATED_ACTS = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}
 
 
 class LlamaMLP(DirectCall, nn.Module):
@@ -55,9 +60,10 @@ class LlamaMLP(DirectCall, nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False)
+        self.act_and_mul = _GATED_ACTS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(DirectCall, nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tinyserve.models.gemma3 import Gemma3ForCausalLM
 from tinyserve.models.gpt2 import GPT2LMHeadModel
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.models.qwen2 import Qwen2ForCausalLM
@@ -15,6 +16,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 # config.json `architectures[0]` -> family key
@@ -24,6 +26,7 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GPT2LMHeadModel": "gpt2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
