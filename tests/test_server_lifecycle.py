@@ -63,7 +63,7 @@ class _Stream(threading.Thread):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero():
-    with _serving("--shutdown-timeout", "3") as (proc, base):
+    with _serving("--shutdown-timeout", "8") as (proc, base):  # the short one finishes well inside it on a slow CPU
         seen = _wait_ready(base, proc)
         assert "503 loading" in seen
         short, long = _Stream(base, 12), _Stream(base, 1500)
