@@ -37,9 +37,10 @@ from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
 from tinyserve.engine.stats import EngineStats
 from tinyserve.engine.structured_output import StructuredOutputs
-from tinyserve.loader.model_loader import LoadedModel, load_model
+from tinyserve.layers.kv_cache import kv_cache_layers
+from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
 from tinyserve.models.registry import device_and_dtype
-from tinyserve.types import FinishReason, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tinyserve.types import FinishReason, InvalidRequest, Job, RequestOutput, SamplingParams, TokenLogprob, run_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,21 @@ GENERATION_FAILED = "generation failed"
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """Load `config.model` (unless `loaded` is given) and set up, in one piece; a server builds its
+        engines with `build_in_pieces`, the same work, between the steps of the models it serves."""
+        run_to_end(self._set_up(config, loaded))
+
+    @classmethod
+    def build_in_pieces(cls, config: EngineConfig) -> Job[LLMEngine]:
+        """LLMEngine(config) as a job (tinyserve/types.py), pieces of at most one tensor's work each."""
+        engine = cls.__new__(cls)  # set up by _set_up, as __init__ does
+        yield from engine._set_up(config, None)
+        return engine
+
+    def _set_up(self, config: EngineConfig, loaded: LoadedModel | None) -> Job[None]:
         if loaded is None:
             map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory.py)
-            loaded = load_model(config.model, config.dtype, config.device, config.quantization)
+            loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         # for the fields a request leaves out; the server and tinyserve.LLM apply them
@@ -72,8 +85,12 @@ class LLMEngine:
             keep_freed_host_memory()
         self.structured_outputs = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                                     loaded.config.eos_token_ids)
+        kv_cache = []
+        for layer in kv_cache_layers(loaded.config, cache_config.num_blocks, cache_config.block_size, dtype, device):
+            kv_cache.append(layer)
+            yield
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
-                                  fill_bitmask=self.structured_outputs.fill_bitmask)
+                                  fill_bitmask=self.structured_outputs.fill_bitmask, kv_cache=kv_cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self.proposer = (NgramProposer(config.speculative, max_model_len)
                          if config.speculative.method == "ngram" else None)

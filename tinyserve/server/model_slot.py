@@ -27,7 +27,7 @@ from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.errors import BadRequest, ServiceUnavailable
 from tinyserve.server.logprobs import TokenTexts
 from tinyserve.server.metrics import ServerMetrics
-from tinyserve.types import SamplingParams
+from tinyserve.types import Job, SamplingParams, as_job
 
 logger = logging.getLogger(__name__)
 SlotPhase = Literal["unloaded", "loading", "loaded", "failed"]
@@ -227,8 +227,8 @@ class ModelSlot:
         if kv_cache_memory_gib is not None and cache.num_blocks is None:
             cache = replace(cache, kv_cache_memory_gib=kv_cache_memory_gib)
         engine_config = replace(self.engine_config, model=source, cache=cache)
-        engine = await AsyncEngine.launch(lambda: self._build_engine(engine_config),
-                                          stall_timeout=self.config.stall_timeout, step_loop=self.step_loop())
+        engine = await AsyncEngine.launch(self._engine_job(engine_config), stall_timeout=self.config.stall_timeout,
+                                          step_loop=self.step_loop())
         try:
             llm_engine = engine.engine
             if self.config.warmup:
@@ -247,12 +247,13 @@ class ModelSlot:
                     loaded.kv_bytes / 2**20)
         return loaded
 
-    def _build_engine(self, engine_config: EngineConfig):
+    def _engine_job(self, engine_config: EngineConfig) -> Job:
+        """The engine's build, in pieces that the step loop runs between the other models' steps."""
         if self._engine_factory is not None:
-            return self._engine_factory(engine_config)
+            return as_job(lambda: self._engine_factory(engine_config))
         from tinyserve.engine.llm_engine import LLMEngine
 
-        return LLMEngine(engine_config)
+        return LLMEngine.build_in_pieces(engine_config)
 
 
 async def drain(loaded: LoadedModel, timeout: float, is_hurried: Callable[[], bool]) -> None:
