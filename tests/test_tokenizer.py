@@ -15,6 +15,7 @@ import pytest
 import tokenizers
 from tokenizers import pre_tokenizers
 
+from tinyserve.loader.gguf import open_gguf
 from tinyserve.loader.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,12 +84,13 @@ def write_gguf(path: Path, **metadata) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm_reader() -> gguf.GGUFReader:
+    """The `gguf` library's own reader: the test vocabularies are read apart from the code under test."""
     return gguf.GGUFReader(MODEL_DIR / GGUF_NAME)
 
 
 @pytest.fixture(scope="module")
-def ours(smollm_reader) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm_reader)
+def ours() -> Tokenizer:
+    return Tokenizer.from_gguf(open_gguf(MODEL_DIR / GGUF_NAME))
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +211,7 @@ def mini_tokenizers(smollm_reader, tmp_path_factory) -> dict:
             reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
             )
-        pairs[pre] = Tokenizer.from_gguf(gguf.GGUFReader(path)), reference
+        pairs[pre] = Tokenizer.from_gguf(open_gguf(path)), reference
     return pairs
 
 
@@ -258,7 +260,7 @@ def _sentencepiece_gguf(sp, folder: Path) -> Path:
 
 def test_sentencepiece_gguf_matches_sentencepiece(sentencepiece_model, tmp_path):
     sp = sentencepiece_model
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(_sentencepiece_gguf(sp, tmp_path)))
+    ours = Tokenizer.from_gguf(open_gguf(_sentencepiece_gguf(sp, tmp_path)))
     texts = [t for t in corpus() if "<" not in t] + ["hello world", " python  torch ", "the quick brown fox"]
     for text in texts:
         expected = sp.encode(text)
@@ -278,16 +280,16 @@ def test_sentencepiece_gguf_matches_sentencepiece(sentencepiece_model, tmp_path)
 def test_gguf_without_tokenizer_is_rejected(tmp_path):
     path = write_gguf(tmp_path / "bare.gguf", block_count=1)
     with pytest.raises(ValueError, match="no tokenizer metadata"):
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        Tokenizer.from_gguf(open_gguf(path))
 
 
 def test_unsupported_gguf_tokenizer_is_named(tmp_path):
     path = write_gguf(tmp_path / "bert.gguf", tokenizer_model="bert", token_list=["[CLS]", "a"])
     with pytest.raises(ValueError, match="'bert'"):
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        Tokenizer.from_gguf(open_gguf(path))
     path = write_gguf(tmp_path / "pre.gguf", tokenizer_model="gpt2", tokenizer_pre="martian", token_list=["a"])
     with pytest.raises(ValueError, match="'martian'"):
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        Tokenizer.from_gguf(open_gguf(path))
 
 
 def test_folder_without_tokenizer_json_is_rejected(tmp_path):
@@ -329,7 +331,7 @@ def test_token_bytes_join_into_the_exact_text(ours):
 
 def test_token_bytes_of_sentencepiece_byte_tokens(sentencepiece_model, tmp_path):
     sp = sentencepiece_model
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(_sentencepiece_gguf(sp, tmp_path)))
+    ours = Tokenizer.from_gguf(open_gguf(_sentencepiece_gguf(sp, tmp_path)))
     byte_ids = [sp.piece_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
     assert [ours.token_bytes(i) for i in byte_ids] == [bytes([b]) for b in "🙂".encode()]
     assert ours.token_bytes(sp.piece_to_id("▁the")).strip() == b"the"
@@ -388,7 +390,7 @@ def test_forged_content_under_a_trimming_template(ours):
 
 
 def test_max_token_chars_bounds_every_encoding(ours, chat_tokenizers, sentencepiece_model, tmp_path):
-    spm = Tokenizer.from_gguf(gguf.GGUFReader(_sentencepiece_gguf(sentencepiece_model, tmp_path)))
+    spm = Tokenizer.from_gguf(open_gguf(_sentencepiece_gguf(sentencepiece_model, tmp_path)))
     longest = "\n" + " " * 80  # SmolLM2's longest token
     assert ours.max_token_chars == chat_tokenizers["tokenizer.json"].max_token_chars == 81
     assert len(ours.encode(longest)) == 1

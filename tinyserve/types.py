@@ -8,7 +8,30 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+# Work done in pieces: each `next` does one piece and yields None, and the generator returns the result.
+# Why: a model loads on the step thread of every engine (engine/step_loop.py), which runs one piece of a
+# job between rounds of steps, so that the models already serving keep stepping while another loads.
+Job = Generator[None, None, T]
+
+
+def as_job(fn: Callable[[], T]) -> Job[T]:
+    """`fn` as a job of one piece."""
+    return fn()
+    yield  # NOTE: never reached; it makes this a generator, so that `fn` runs at the first `next`
+
+
+def run_to_end(job: Job[T]) -> T:
+    """All of a job's pieces back to back (whoever has no step loop to share: tinyserve.LLM, tests)."""
+    while True:
+        try:
+            next(job)
+        except StopIteration as done:
+            return done.value
 
 MAX_TOP_LOGPROBS = 20
 # Per-request caps: the engine thread does work in proportion to each of these on every token

@@ -7,7 +7,8 @@ it; `loop_stats` splits the engine thread's time into steps and everything aroun
 engine thread touches the LLMEngine; other threads hand it work through a locked inbox and get outputs
 back through `loop.call_soon_threadsafe`, one call per step.
 
-`launch` builds the LLMEngine on the engine thread itself, so that one thread runs all of torch's work.
+`launch` builds the LLMEngine on the engine thread itself (in pieces, between steps: engine/step_loop.py),
+so that one thread runs all of torch's work.
 Why: each thread that runs a parallel op gets its own OpenMP team, and once libgomp manages more
 threads than there are cores it stops spinning between parallel regions, and each step got slower
 (docs/PERFORMANCE.md, "Numbers behind the code's comments"). That thread is a StepLoop
@@ -33,7 +34,7 @@ from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.request_stream import RequestStream
 from tinyserve.engine.stats import EngineStats, LoopStats
 from tinyserve.engine.step_loop import StepLoop
-from tinyserve.types import FinishReason, RequestOutput, SamplingParams, StructuredOutput
+from tinyserve.types import FinishReason, Job, RequestOutput, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +102,16 @@ class AsyncEngine:
         self._last_step_end: float | None = None
 
     @classmethod
-    async def launch(cls, build: Callable[[], LLMEngine], stall_timeout: float | None = None,
+    async def launch(cls, build: Job[LLMEngine], stall_timeout: float | None = None,
                      step_loop: StepLoop | None = None) -> AsyncEngine:
-        """Build an engine with `build` on the thread of `step_loop` (by default a new one of its own)
-        and step it there; with a `stall_timeout`, a watchdog fails every open stream once a step has
-        run that long."""
+        """Run the job `build` (LLMEngine.build_in_pieces, or `as_job` of a function) on the thread of
+        `step_loop` (by default a new one of its own), piece by piece between the steps of the engines
+        already there, and step the engine it returns there; with a `stall_timeout`, a watchdog fails
+        every open stream once a step has run that long."""
         loop = step_loop if step_loop is not None else StepLoop(is_private=True)
 
-        def build_and_attach() -> AsyncEngine:
-            engine = cls(build(), loop)
+        def build_and_attach() -> Job[AsyncEngine]:
+            engine = cls((yield from build), loop)
             if stall_timeout is not None:
                 threading.Thread(target=engine._watch, args=(stall_timeout,), name="tinyserve-watchdog",
                                  daemon=True).start()
@@ -117,7 +119,7 @@ class AsyncEngine:
             return engine
 
         try:
-            return await asyncio.wrap_future(loop.call(build_and_attach))
+            return await asyncio.wrap_future(loop.run(build_and_attach()))
         except BaseException:
             if loop.is_private:
                 loop.stop()

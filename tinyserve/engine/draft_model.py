@@ -31,7 +31,8 @@ from tinyserve.engine.stats import SpecDecodeStats
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import allocate_kv_cache
 from tinyserve.layers.ops import decode_kernel_applies
-from tinyserve.loader.model_loader import LoadedModel, load_model
+from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
+from tinyserve.types import Job
 from tinyserve.models.registry import device_and_dtype
 
 logger = logging.getLogger(__name__)
@@ -41,11 +42,11 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_PROBE = "The quick brown fox, 1234567890; def f(x): return x**2 # café naïve 東京 🙂\n\tend"
 
 
-def load_draft_model(config: EngineConfig) -> LoadedModel:
-    """The draft model of config.speculative, on the target's device."""
+def load_draft_model_in_pieces(config: EngineConfig) -> Job[LoadedModel]:
+    """The draft model of config.speculative, on the target's device (a job, as load_model_in_pieces)."""
     spec = config.speculative
     dtype = "bfloat16" if spec.draft_quantization else config.dtype  # weight-only formats run in bfloat16
-    return load_model(spec.draft_model, dtype, config.device, spec.draft_quantization)
+    return (yield from load_model_in_pieces(spec.draft_model, dtype, config.device, spec.draft_quantization))
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

@@ -29,7 +29,7 @@ from tinyserve.config import EngineConfig
 from tinyserve.engine.block_manager import BlockManager
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
-from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model
+from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model_in_pieces
 from tinyserve.engine.memory import kv_bytes_per_token, resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
@@ -38,9 +38,10 @@ from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
 from tinyserve.engine.stats import EngineStats
 from tinyserve.engine.structured_output import StructuredOutputs
-from tinyserve.loader.model_loader import LoadedModel, load_model
+from tinyserve.layers.kv_cache import kv_cache_layers
+from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
 from tinyserve.models.registry import device_and_dtype
-from tinyserve.types import FinishReason, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tinyserve.types import FinishReason, InvalidRequest, Job, RequestOutput, SamplingParams, TokenLogprob, run_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,25 @@ GENERATION_FAILED = "generation failed"
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, draft: LoadedModel | None = None):
-        """`loaded` and `draft` (speculative method "draft"): models already loaded, else loaded here."""
+        """Load `config.model` (unless `loaded` is given) and, for speculative method "draft", the draft model
+        (unless `draft` is given), and set up, in one piece; a server builds its engines with
+        `build_in_pieces`, the same work, between the steps of the models it serves."""
+        run_to_end(self._set_up(config, loaded, draft))
+
+    @classmethod
+    def build_in_pieces(cls, config: EngineConfig) -> Job[LLMEngine]:
+        """LLMEngine(config) as a job (tinyserve/types.py), pieces of at most one tensor's work each."""
+        engine = cls.__new__(cls)  # set up by _set_up, as __init__ does
+        yield from engine._set_up(config, None, None)
+        return engine
+
+    def _set_up(self, config: EngineConfig, loaded: LoadedModel | None, draft: LoadedModel | None) -> Job[None]:
         if loaded is None:
             map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory.py)
-            loaded = load_model(config.model, config.dtype, config.device, config.quantization)
+            loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization)
         if config.speculative.method == "draft":
-            draft = draft or load_draft_model(config)
+            if draft is None:
+                draft = yield from load_draft_model_in_pieces(config)
             check_same_tokenizer(loaded, draft)
         else:
             assert draft is None, "a draft model without speculative method 'draft'"
@@ -80,8 +94,12 @@ class LLMEngine:
             keep_freed_host_memory()
         self.structured_outputs = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                                     loaded.config.eos_token_ids)
+        kv_cache = []
+        for layer in kv_cache_layers(loaded.config, cache_config.num_blocks, cache_config.block_size, dtype, device):
+            kv_cache.append(layer)
+            yield
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
-                                  fill_bitmask=self.structured_outputs.fill_bitmask)
+                                  fill_bitmask=self.structured_outputs.fill_bitmask, kv_cache=kv_cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative.method == "ngram":

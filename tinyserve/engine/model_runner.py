@@ -21,7 +21,7 @@ from tinyserve.engine import rejection_sampler
 from tinyserve.engine.request import Request
 from tinyserve.engine.sampler import Sampler, TokenMasks, prompt_token_logprobs
 from tinyserve.layers.attention_metadata import AttentionMetadata
-from tinyserve.layers.kv_cache import allocate_kv_cache
+from tinyserve.layers.kv_cache import KVCache, allocate_kv_cache
 from tinyserve.layers.ops import decode_kernel_applies
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import TokenLogprob
@@ -75,16 +75,20 @@ def _batch_order(request: Request, num_new: int) -> tuple[bool, int]:
 
 
 class ModelRunner:
-    """Owns the model, the KV pool (allocated here once) and the sampler."""
+    """Owns the model, the KV pool (allocated once, before the first step) and the sampler."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0,
-                 fill_bitmask: Callable[[list[LLMatcher]], torch.Tensor] | None = None):
+                 fill_bitmask: Callable[[list[LLMatcher]], torch.Tensor] | None = None,
+                 kv_cache: list[KVCache] | None = None):
+        """`kv_cache`: the pool, allocated by the caller (LLMEngine, a layer at a time), or here when None."""
         self.device, self.dtype = device_and_dtype(model)
         self.model = model
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.sliding_windows = frozenset(model.config.layer_sliding_windows())  # one decode plan per window
-        self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        if kv_cache is None:
+            kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = kv_cache
         self.sampler = Sampler(seed)
         # constrained sequences' token masks (StructuredOutputs.fill_bitmask), computed on a worker thread
         # while the forward runs: each depends only on the tokens its sequence already has

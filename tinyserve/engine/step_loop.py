@@ -7,9 +7,14 @@ every step gets slower (docs/PERFORMANCE.md, "Numbers behind the code's comments
 from two threads would also run their steps at once and oversubscribe the cores. Round-robin on one
 thread keeps one team, never runs two steps at once, and lets every busy engine progress.
 
+Jobs: building an engine (loading a model) runs on this thread too, as a Job (tinyserve/types.py) of
+small pieces, one tensor's work or less each. Between rounds the loop runs pieces for JOB_SLICE_S (at
+least one) while any engine has work, so that a step waits at most that long plus one piece; while none
+has, it runs them back to back. A load beside busy models takes longer; their requests barely notice.
+
 Isolation: a step that raises marks only its engine dead (AsyncEngine._fail) and the loop goes on with
-the others; a step that hangs holds the thread, so every engine on it waits (the watchdog of the hung
-one fails its streams). A build runs between rounds: the other engines pause while a model loads.
+the others; a job that raises fails its own future; a step that hangs holds the thread, so every engine
+on it waits (the watchdog of the hung one fails its streams).
 """
 
 from __future__ import annotations
@@ -17,35 +22,42 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
 from typing import TYPE_CHECKING
+
+from tinyserve.types import Job
 
 if TYPE_CHECKING:
     from tinyserve.engine.async_engine import AsyncEngine
 
+# A job's time per round while engines have work: what it adds to their step interval (docs/PERFORMANCE.md,
+# "Several models": the time-to-first-token of requests during a swap, and how long the swap takes).
+JOB_SLICE_S = 0.05
+
 
 class StepLoop:
-    """Invariant: only this loop's thread touches the LLMEngines of `engines`; other threads reach it
-    through `wake` (a Condition shared with every attached AsyncEngine's inbox) or `call`. A private
-    loop (one engine, the default of AsyncEngine.launch) ends its thread when that engine detaches."""
+    """Invariant: only this loop's thread touches the LLMEngines of `engines` and runs jobs; other threads
+    reach it through `wake` (a Condition shared with every attached AsyncEngine's inbox) or `run`. Jobs
+    run one after another, in the order given. A private loop (one engine, the default of
+    AsyncEngine.launch) ends its thread when that engine detaches."""
 
     def __init__(self, name: str = "tinyserve-engine", is_private: bool = False):
         self.wake = threading.Condition()
         self.is_private = is_private
         self._engines: list[AsyncEngine] = []
-        self._calls: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
+        self._jobs: deque[tuple[Job, concurrent.futures.Future]] = deque()  # the first one is in progress
         self._is_stopping = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run `fn` on the loop's thread between rounds (building an engine); its result or exception
-        comes back through the returned future."""
+    def run(self, job: Job) -> concurrent.futures.Future:
+        """Run `job` on the loop's thread, piece by piece between rounds (building an engine); its result
+        or exception comes back through the returned future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self.wake:
             if self._is_stopping:
                 raise RuntimeError("the step loop has stopped")
-            self._calls.append((fn, future))
+            self._jobs.append((job, future))
             self.wake.notify()
         return future
 
@@ -68,37 +80,71 @@ class StepLoop:
     def _run(self) -> None:
         while True:
             with self.wake:
-                while not self._calls and not self._is_stopping and not any(e.has_work() for e in self._engines):
-                    now = time.monotonic()
-                    for engine in self._engines:
-                        engine.mark_idle(now)
+                while not self._jobs and not self._is_stopping and not self._has_engine_work():
+                    self._mark_idle()
                     self.wake.wait()
                 if self._is_stopping:
                     engines, self._engines = self._engines, []
                     break
-                calls, self._calls = self._calls, []
                 engines = list(self._engines)
-            for fn, future in calls:
-                self._call(fn, future)
+            self._run_jobs()
             for engine in engines:
                 if not engine.run_once():  # stopped or failed: it leaves the loop
                     self._detach(engine)
             # NOTE: no reference may outlive the round: a detached engine (a model unloaded) is freed
             # only once nothing holds it, and this thread may next wait for a long time
-            calls = engines = engine = fn = future = None
+            engines = engine = None
         for engine in engines:
             engine.detached.set()
-        for _, future in self._calls:
-            future.set_exception(RuntimeError("the step loop has stopped"))
+        for job, future in self._jobs:
+            job.close()
+            if not future.done():
+                future.set_exception(RuntimeError("the step loop has stopped"))
+
+    def _has_engine_work(self) -> bool:
+        """Called holding `wake`."""
+        return any(engine.has_work() for engine in self._engines)
+
+    def _mark_idle(self) -> None:
+        """Called holding `wake`, with no engine that has work."""
+        now = time.monotonic()
+        for engine in self._engines:
+            engine.mark_idle(now)
+
+    def _run_jobs(self) -> None:
+        """Pieces of the jobs, in order: for JOB_SLICE_S (and at least one piece) while an engine has work,
+        until none is left (or the loop stops) while none has."""
+        deadline = time.monotonic() + JOB_SLICE_S
+        while True:
+            with self.wake:
+                if not self._jobs or self._is_stopping:
+                    return
+                job, future = self._jobs[0]
+            if self._run_piece(job, future):
+                with self.wake:
+                    self._jobs.popleft()
+            if time.monotonic() >= deadline:
+                with self.wake:
+                    if self._has_engine_work():
+                        return
+                    self._mark_idle()  # no step is waiting for this job
 
     @staticmethod
-    def _call(fn: Callable[[], object], future: concurrent.futures.Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+    def _run_piece(job: Job, future: concurrent.futures.Future) -> bool:
+        """One piece of `job`; True once it has ended, its result or exception set on `future` (or it was
+        cancelled before it started)."""
+        if not future.running() and not future.set_running_or_notify_cancel():
+            job.close()
+            return True
         try:
-            future.set_result(fn())
+            next(job)
+        except StopIteration as done:
+            future.set_result(done.value)
+            return True
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, whatever it is
             future.set_exception(exc)
+            return True
+        return False
 
     def _detach(self, engine: AsyncEngine) -> None:
         with self.wake:

@@ -3,6 +3,7 @@ reallocated; a sequence's tokens live in the blocks its block table names."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,16 @@ class KVCache:
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[KVCache]:
     """One zero-filled pool per layer."""
+    return list(kv_cache_layers(config, num_blocks, block_size, dtype, device))
+
+
+def kv_cache_layers(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device) -> Iterator[KVCache]:
+    """allocate_kv_cache one layer at a time: filling a pool with zeros takes a while (it touches every
+    page), and a model loading beside others does it between their steps (LLMEngine.build_in_pieces)."""
     shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
-    ]
+    for _ in range(config.num_hidden_layers):
+        yield KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

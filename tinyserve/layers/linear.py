@@ -10,6 +10,8 @@ kernel or oneDNN (pack_linear_weights) and `--quantization` gives int codes (qua
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -100,9 +102,13 @@ def pack_linear_weights(model: nn.Module, own_kernel: bool | None = None) -> int
     (own_kernel; by default where it is built) or else for oneDNN; returns how many. A Linear's plain
     weight is replaced by a meta-device placeholder of the same shape (no memory); a tied head's is the
     embedding's and stays."""
+    return sum(1 for _ in pack_linear_weights_in_pieces(model, own_kernel))
+
+
+def pack_linear_weights_in_pieces(model: nn.Module, own_kernel: bool | None = None) -> Iterator[None]:
+    """pack_linear_weights, yielding after each module (a load in pieces: loader/model_loader.py)."""
     own = ops.has_cpu_kernels() if own_kernel is None else own_kernel
-    modules = _dense_heads_and_linears(model)
-    for module in modules:
+    for module in _dense_heads_and_linears(model):
         weight = module.weight.detach()
         if own and weight.shape[1] % 16 == 0:  # the kernel sums 8 pairs of inputs per step
             module.weight_format = Bf16Weight.pack(weight)
@@ -110,7 +116,7 @@ def pack_linear_weights(model: nn.Module, own_kernel: bool | None = None) -> int
             module.weight_format = OneDnnWeight.pack(weight)
         if isinstance(module, Linear):
             module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
-    return len(modules)
+        yield
 
 
 def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
@@ -127,18 +133,22 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     Without our C++ kernels (logged by cpu_kernels) the weights become the dequantized values and run
     through the float path: the same model, slower.
     """
+    return sum(1 for _ in quantize_linear_weights_in_pieces(model, quantization))
+
+
+def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> Iterator[None]:
+    """quantize_linear_weights, yielding after each module (a load in pieces: loader/model_loader.py)."""
     int_kernels = ops.has_cpu_kernels()
-    modules = _dense_heads_and_linears(model)
-    for module in modules:
+    for module in _dense_heads_and_linears(model):
         fmt = Int4Weight if quantization == "int4" and not module.is_lm_head else Int8Weight
         quantized, dequantized = fmt.quantize(module.weight.detach())
         if not int_kernels:
             module.weight.data.copy_(dequantized)
-            continue
-        module.weight_format = quantized
-        owner = module  # the module that holds the matrix
-        if isinstance(module, TiedLMHead):  # the embedding's: its lookups read the same codes
-            owner = module.embedding
-            owner.weight_format = quantized
-        owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
-    return len(modules)
+        else:
+            module.weight_format = quantized
+            owner = module  # the module that holds the matrix
+            if isinstance(module, TiedLMHead):  # the embedding's: its lookups read the same codes
+                owner = module.embedding
+                owner.weight_format = quantized
+            owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
+        yield

@@ -1,6 +1,7 @@
-"""GGUF files (llama.cpp's format), read with the `gguf` library: hyper-parameters from the metadata,
-tensors dequantized to float32 one at a time, renamed to Hugging Face's names, and llama.cpp's Q/K row
-permutation undone so that the rotary layout is Hugging Face's again."""
+"""GGUF files (llama.cpp's format), read by loader/gguf_file.py and dequantized by the `gguf` library:
+hyper-parameters from the metadata, tensors dequantized to float32 one at a time (a large one by blocks
+of rows), renamed to Hugging Face's names, and llama.cpp's Q/K row permutation undone so that the rotary
+layout is Hugging Face's again."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from gguf import GGUFReader
 
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.gguf_file import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import NamedTensor, TensorSource
 
@@ -26,19 +27,18 @@ _SUPPORTED_TYPES = {
 }
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the library raises assorted types for a truncated or corrupt file
+        return GGUFFile(path)
+    except Exception as exc:  # a truncated or corrupt file fails in assorted ways (struct, mmap, unicode)
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
-def field(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def field(reader: GGUFFile, key: str, default=None):
+    return reader.metadata.get(key, default)
 
 
-def gguf_architecture(reader: GGUFReader) -> tuple[str, str]:
+def gguf_architecture(reader: GGUFFile) -> tuple[str, str]:
     """(the file's own architecture name, our family key); unknown ones list what is supported."""
     arch = field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
@@ -55,7 +55,7 @@ def _number(value, key: str, kind: type[int] | type[float]):
     return kind(value)
 
 
-def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     """The file's hyper-parameters, checked (ModelConfig's bounds) before anything is built from them."""
     arch, family = gguf_architecture(reader)
 
@@ -96,7 +96,7 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     except ModelLoadError:
         raise
     except ValueError as exc:  # ModelConfig's and RopeScaling's checks
-        raise ModelLoadError(f"{getattr(reader.data, 'filename', 'GGUF file')}: GGUF metadata: {exc}") from None
+        raise ModelLoadError(f"{reader.path}: GGUF metadata: {exc}") from None
 
 
 # general.sampling.* keys (llama.cpp's model-embedded recommendations) -> SamplingDefaults' names
@@ -104,7 +104,7 @@ _SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
                   "penalty_repeat": "repetition_penalty"}
 
 
-def gguf_sampling_fields(reader: GGUFReader) -> dict[str, float | int | None]:
+def gguf_sampling_fields(reader: GGUFFile) -> dict[str, float | int | None]:
     """The sampling fields the file recommends in its general.sampling.* metadata ({} for none), as llama.cpp
     reads them; f32 values are rounded to 6 digits, so that 0.95 is not 0.949999988. Keys llama.cpp has and we
     have no sampler for (mirostat, xtc, penalty_last_n, sequence) are not read."""
@@ -117,7 +117,7 @@ def gguf_sampling_fields(reader: GGUFReader) -> dict[str, float | int | None]:
     return fields
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> RopeScaling | None:
+def _rope_scaling(reader: GGUFFile, arch: str, tensor_names: set[str]) -> RopeScaling | None:
     if "rope_freqs.weight" in tensor_names:
         raise ModelLoadError("GGUF rope_freqs tensors (llama3 rope scaling in GGUF form) are not supported yet")
     kind = field(reader, f"{arch}.rope.scaling.type")
@@ -136,39 +136,47 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
-
-
-def _dequantize(tensor) -> np.ndarray:
+def _dequantize(tensor: GGUFTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor's values, or those of its rows [start, stop) alone (its data's first axis is its rows)."""
     if tensor.tensor_type not in _SUPPORTED_TYPES:
         raise ModelLoadError(f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}")
-    shape = _shape(tensor)
+    data, shape = tensor.data, tensor.shape
+    if rows is not None:
+        data, shape = data[rows[0]:rows[1]], (rows[1] - rows[0], *shape[1:])
     try:
-        return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        return gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
     except Exception as exc:
         raise ModelLoadError(f"tensor {tensor.name!r} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
-def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[NamedTensor]:
-    """Yield (Hugging Face name, producer of a float32 CPU tensor) for every tensor in the file."""
+def _float32_tensor(w: np.ndarray) -> torch.Tensor:
+    if w.dtype != np.float32:
+        w = w.astype(np.float32)
+    with warnings.catch_warnings():  # F32 tensors are read-only views of the mapped file: we only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(w)
+
+
+def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]:
+    """Yield (Hugging Face name, producer of a float32 CPU tensor) for every tensor in the file. A tensor
+    whose rows llama.cpp did not permute can also be read by blocks of rows (TensorSource.read_rows)."""
     arch, family = gguf_architecture(reader)
     permute = arch in ("llama", "mistral")  # llama.cpp permutes Q/K only for these
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(family, tensor.name)
         if hf_name is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} is unexpected for architecture {arch!r}")
+        num_heads = None
+        if permute and ".q_proj." in hf_name:
+            num_heads = config.num_attention_heads
+        elif permute and ".k_proj." in hf_name:
+            num_heads = config.num_key_value_heads
 
-        def produce(tensor=tensor, hf_name=hf_name) -> torch.Tensor:
+        def produce(tensor=tensor, num_heads=num_heads) -> torch.Tensor:
             w = _dequantize(tensor)
-            if permute and ".q_proj." in hf_name:
-                w = _unpermute_rope_rows(w, config.num_attention_heads)
-            elif permute and ".k_proj." in hf_name:
-                w = _unpermute_rope_rows(w, config.num_key_value_heads)
-            if w.dtype != np.float32:
-                w = w.astype(np.float32)
-            with warnings.catch_warnings():  # F32 tensors are read-only views of the mapped file: we only read
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(w)
+            return _float32_tensor(w if num_heads is None else _unpermute_rope_rows(w, num_heads))
 
-        yield hf_name, TensorSource(_shape(tensor), produce)
+        def read_rows(start: int, stop: int, tensor=tensor) -> torch.Tensor:
+            return _float32_tensor(_dequantize(tensor, (start, stop)))
+
+        yield hf_name, TensorSource(tensor.shape, produce, read_rows if num_heads is None else None)

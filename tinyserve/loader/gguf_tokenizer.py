@@ -8,14 +8,13 @@ SentencePiece-style vocabularies are assembled here; loader/tokenizer.py wraps t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import tokenizers
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.gguf_file import GGUFFile
 
 # llama.cpp's token types (gguf.TokenType) that matter here; the others are UNKNOWN=2, UNUSED=5, BYTE=6
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -53,21 +52,20 @@ class GGUFTokenizerParts:
     chat_template: str | None
 
 
-def read_gguf_tokenizer(reader: GGUFReader) -> GGUFTokenizerParts:
-    model = _gguf_field(reader, "tokenizer.ggml.model")
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+def read_gguf_tokenizer(reader: GGUFFile) -> GGUFTokenizerParts:
+    model = reader.metadata.get("tokenizer.ggml.model")
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
     if model is None or tokens is None:
-        name = getattr(reader.data, "filename", "GGUF")
-        raise ModelLoadError(f"{name}: no tokenizer metadata (tokenizer.ggml.model and tokenizer.ggml.tokens)")
+        raise ModelLoadError(f"{reader.path}: no tokenizer metadata (tokenizer.ggml.model and tokenizer.ggml.tokens)")
     if model not in ("gpt2", "llama"):
         raise ModelLoadError(f"unsupported GGUF tokenizer.ggml.model={model!r}; supported: 'gpt2', 'llama'")
 
     def token(key: str) -> str | None:
-        token_id = _gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        token_id = reader.metadata.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
 
-    types = list(_gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+    types = list(reader.metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in reader.metadata.get("tokenizer.ggml.merges", [])]
     if model == "gpt2":
         backend = _byte_level_backend(reader, tokens, types, merges)
     else:
@@ -76,9 +74,9 @@ def read_gguf_tokenizer(reader: GGUFReader) -> GGUFTokenizerParts:
     return GGUFTokenizerParts(
         backend, bos_token=token("bos"), eos_token=token("eos"),
         # llama.cpp adds bos to a SentencePiece vocabulary unless the file says otherwise
-        add_bos=_gguf_field(reader, "tokenizer.ggml.add_bos_token", model == "llama"),
-        add_eos=_gguf_field(reader, "tokenizer.ggml.add_eos_token", False),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        add_bos=reader.metadata.get("tokenizer.ggml.add_bos_token", model == "llama"),
+        add_eos=reader.metadata.get("tokenizer.ggml.add_eos_token", False),
+        chat_template=reader.metadata.get("tokenizer.chat_template"),
     )
 
 
@@ -93,11 +91,6 @@ def gpt2_byte_alphabet() -> dict[int, str]:
             mapping[byte] = chr(0x100 + shifted)
             shifted += 1
     return mapping
-
-
-def _gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _byte_level_vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
@@ -127,8 +120,8 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     return [(left, right) for *_, left, right in ranked]
 
 
-def _byte_level_backend(reader: GGUFReader, tokens: list[str], types: list[int], merges: list) -> tokenizers.Tokenizer:
-    pre = _gguf_field(reader, "tokenizer.ggml.pre", "default")
+def _byte_level_backend(reader: GGUFFile, tokens: list[str], types: list[int], merges: list) -> tokenizers.Tokenizer:
+    pre = reader.metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_SPLITS:
         raise ModelLoadError(f"unsupported GGUF tokenizer.ggml.pre={pre!r}; supported: {sorted(_PRE_SPLITS)}")
     splits = _PRE_SPLITS[pre]
@@ -143,16 +136,16 @@ def _byte_level_backend(reader: GGUFReader, tokens: list[str], types: list[int],
 
 
 def _sentencepiece_backend(
-    reader: GGUFReader, tokens: list[str], merges: list, unk: str | None
+    reader: GGUFFile, tokens: list[str], merges: list, unk: str | None
 ) -> tokenizers.Tokenizer:
     """SentencePiece pieces spell spaces as "\u2581"; <0xNN> byte tokens cover whatever has no piece (else unk)."""
     if not merges:
-        merges = _merges_from_scores(tokens, _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+        merges = _merges_from_scores(tokens, reader.metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
     vocab: dict[str, int] = {}
     for token_id, token in enumerate(tokens):
         vocab.setdefault(token, token_id)
     backend = tokenizers.Tokenizer(BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
-    has_prefix = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    has_prefix = bool(reader.metadata.get("tokenizer.ggml.add_space_prefix", True))
     # NOTE: a normalizer, not Metaspace: a space is prepended even to text that starts with one, and again after
     # each special token, as sentencepiece, llama.cpp and Llama 2's own tokenizer.json do.
     spaces = [normalizers.Prepend("\u2581")] if has_prefix else []

@@ -3,6 +3,8 @@
 The model is built on the meta device (no memory, no random init) from a checked config (ModelConfig's
 bounds), matched against the checkpoint's tensor names and header shapes, materialized empty on the
 target device in the target dtype, then filled tensor by tensor: peak memory is the model plus one tensor.
+Each step is also a piece of a job (`load_model_in_pieces`), so that a server's step thread can load a
+model between the steps of the models it serves (engine/step_loop.py).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from torch import nn
 from tinyserve.config import ModelConfig
 from tinyserve.layers.linear import (
     can_pack,
-    pack_linear_weights,
-    quantize_linear_weights,
+    pack_linear_weights_in_pieces,
+    quantize_linear_weights_in_pieces,
     use_dense_weights,
 )
 from tinyserve.layers.quant import check_quantization
@@ -29,8 +31,9 @@ from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_sampling_fields, gguf_tensors, open_gguf
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields, hf_tensors
 from tinyserve.loader.tokenizer import Tokenizer
-from tinyserve.loader.weights import load_weights, match_tensors
+from tinyserve.loader.weights import load_weights_in_pieces, match_tensors
 from tinyserve.models.registry import get_model_class
+from tinyserve.types import Job, run_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, ignore=lambda _: False,
                 quantization: str | None = None) -> nn.Module:
+    return run_to_end(build_model_in_pieces(config, tensors, dtype, device, ignore, quantization))
+
+
+def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device,
+                          ignore=lambda _: False, quantization: str | None = None) -> Job[nn.Module]:
+    """build_model, in pieces of at most one tensor (or block of rows) read, or one linear quantized or
+    packed, each."""
     check_quantization(quantization, dtype, device)
     cls = get_model_class(config.architecture)
     # A quantized model is quantized from float32 weights (a GGUF's exact dequantized values), then cast.
@@ -96,14 +106,18 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
     tensors = list(tensors)
     match_tensors(model, tensors, ignore)
     _materialize(model, load_dtype, device)
-    with torch.no_grad():
-        load_weights(model, tensors, ignore=ignore)
-        if quantization:
-            quantize_linear_weights(model, quantization)
-            model = model.to(dtype)
+    # NOTE: parameters that need no grad, rather than `with torch.no_grad()` around the pieces: grad mode
+    # is the thread's, and the step loop runs other work between them
+    model.requires_grad_(False)
+    yield
+    yield from load_weights_in_pieces(model, tensors, ignore=ignore)
+    if quantization:
+        yield from quantize_linear_weights_in_pieces(model, quantization)
+        model = model.to(dtype)
+        yield
     if can_pack(dtype, device):
-        pack_linear_weights(model)
-    return model.eval().requires_grad_(False)
+        yield from pack_linear_weights_in_pieces(model)
+    return model.eval()
 
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -121,6 +135,11 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 def load_model(model: str, dtype: str, device: str, quantization: str | None = None) -> LoadedModel:
+    return run_to_end(load_model_in_pieces(model, dtype, device, quantization))
+
+
+def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str | None = None) -> Job[LoadedModel]:
+    """load_model as a job (tinyserve/types.py): the file's header, the tokenizer, then build_model's pieces."""
     path = resolve_model_path(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -129,14 +148,18 @@ def load_model(model: str, dtype: str, device: str, quantization: str | None = N
         config = hf_model_config(path)
         recommended = hf_sampling_fields(path)
         tokenizer = Tokenizer.from_folder(path)
-        net = build_model(config, hf_tensors(path), torch_dtype, torch_device,
-                          ignore=partial(hf_ignored, config=config), quantization=quantization)
+        yield
+        net = yield from build_model_in_pieces(config, hf_tensors(path), torch_dtype, torch_device,
+                                               ignore=partial(hf_ignored, config=config), quantization=quantization)
     else:
         reader = open_gguf(path)
+        yield
         config = gguf_model_config(reader)
         recommended = gguf_sampling_fields(reader)
         tokenizer = Tokenizer.from_gguf(reader)
-        net = build_model(config, gguf_tensors(reader, config), torch_dtype, torch_device, quantization=quantization)
+        yield
+        net = yield from build_model_in_pieces(config, gguf_tensors(reader, config), torch_dtype, torch_device,
+                                               quantization=quantization)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     config = _with_eos(config, eos, tokenizer.bos_token_id)
     logger.info("loaded %s (%s, %s%s on %s) in %.1fs", path.name, config.architecture, torch_dtype,

@@ -20,12 +20,12 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import tokenizers
-from gguf import GGUFReader
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
 from tokenizers.models import BPE
 
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.gguf_file import GGUFFile
 from tinyserve.loader.gguf_tokenizer import gpt2_byte_alphabet, read_gguf_tokenizer
 
 # Texts longer than this (characters) are encoded through encode_batch, and token lists longer than this
@@ -167,7 +167,7 @@ class Tokenizer:
         self._compiled_template = None if chat_template is None else _compile_chat_template(chat_template)
 
     @classmethod
-    def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
         parts = read_gguf_tokenizer(reader)
         _set_post_processor(parts.backend, parts.bos_token, parts.eos_token, parts.add_bos, parts.add_eos)
         return cls(parts.backend, bos_token=parts.bos_token, eos_token=parts.eos_token,

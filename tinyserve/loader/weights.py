@@ -9,7 +9,7 @@ it is read and copied."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +24,20 @@ from tinyserve.loader.names import to_param_name
 NamedTensor = tuple[str, Callable[[], torch.Tensor]]
 
 
+# A large tensor loads in blocks of rows of about this many values (8 MiB of float32), each one piece of a
+# load in pieces: about as long to read as one of SmolLM2's MLP projections (docs/PERFORMANCE.md, "Several
+# models"), where its 28M-value embedding read whole was the longest piece of all.
+PIECE_VALUES = 1 << 21
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """A checkpoint tensor not read yet: its shape as it will be produced, from the file's header, and
-    how to read it."""
+    how to read it: whole, or (`read_rows`, where the file can) rows [start, stop) of it alone."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
+    read_rows: Callable[[int, int], torch.Tensor] | None = None
 
     def __call__(self) -> torch.Tensor:
         return self.read()
@@ -96,9 +103,24 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
     return matched
 
 
-def load_weights(model: nn.Module, tensors: Iterable[NamedTensor], ignore: Callable[[str], bool] = lambda _: False) -> None:
-    """Fill `model` (already materialized on its device and dtype) from checkpoint tensors."""
+def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
+                           ignore: Callable[[str], bool] = lambda _: False) -> Iterator[None]:
+    """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
+    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows."""
     for hf_name, produce, target in match_tensors(model, tensors, ignore):
-        tensor = produce()
-        _check_shape(hf_name, tuple(tensor.shape), target)  # the file's data, whatever its header said
-        target.copy_(tensor)
+        read_rows = produce.read_rows if isinstance(produce, TensorSource) else None
+        if read_rows is None or target.dim() < 2 or target.numel() <= PIECE_VALUES:
+            _copy(hf_name, produce(), target)
+            yield
+            continue
+        num_rows = target.shape[0]
+        rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
+        for start in range(0, num_rows, rows_per_piece):
+            stop = min(start + rows_per_piece, num_rows)
+            _copy(hf_name, read_rows(start, stop), target[start:stop])
+            yield
+
+
+def _copy(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    _check_shape(hf_name, tuple(tensor.shape), target)  # the file's data, whatever its header said
+    target.copy_(tensor)

@@ -22,12 +22,13 @@ from typing import Literal
 
 from tinyserve.config import EngineConfig, SamplingDefaults, ServerConfig
 from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.engine.draft_model import DraftModelProposer
 from tinyserve.engine.malloc_tuning import return_freed_host_memory
 from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.errors import BadRequest, ServiceUnavailable
 from tinyserve.server.logprobs import TokenTexts
 from tinyserve.server.metrics import ServerMetrics
-from tinyserve.types import SamplingParams
+from tinyserve.types import Job, SamplingParams, as_job
 
 logger = logging.getLogger(__name__)
 SlotPhase = Literal["unloaded", "loading", "loaded", "failed"]
@@ -227,8 +228,8 @@ class ModelSlot:
         if kv_cache_memory_gib is not None and cache.num_blocks is None:
             cache = replace(cache, kv_cache_memory_gib=kv_cache_memory_gib)
         engine_config = replace(self.engine_config, model=source, cache=cache)
-        engine = await AsyncEngine.launch(lambda: self._build_engine(engine_config),
-                                          stall_timeout=self.config.stall_timeout, step_loop=self.step_loop())
+        engine = await AsyncEngine.launch(self._engine_job(engine_config), stall_timeout=self.config.stall_timeout,
+                                          step_loop=self.step_loop())
         try:
             llm_engine = engine.engine
             if self.config.warmup:
@@ -247,12 +248,13 @@ class ModelSlot:
                     loaded.kv_bytes / 2**20)
         return loaded
 
-    def _build_engine(self, engine_config: EngineConfig):
+    def _engine_job(self, engine_config: EngineConfig) -> Job:
+        """The engine's build, in pieces that the step loop runs between the other models' steps."""
         if self._engine_factory is not None:
-            return self._engine_factory(engine_config)
+            return as_job(lambda: self._engine_factory(engine_config))
         from tinyserve.engine.llm_engine import LLMEngine
 
-        return LLMEngine(engine_config)
+        return LLMEngine.build_in_pieces(engine_config)
 
 
 async def drain(loaded: LoadedModel, timeout: float, is_hurried: Callable[[], bool]) -> None:
@@ -291,11 +293,12 @@ def _reason(exc: BaseException) -> str:
 
 
 def _weight_bytes(llm_engine) -> int:
-    """Bytes of the tensors the model holds (parameters, buffers and packed weights kept as attributes)."""
+    """Bytes of the tensors the model holds (parameters, buffers and packed weights kept as attributes),
+    a draft model's (speculative method "draft") included."""
     import torch
 
     seen, total = set(), 0
-    for module in llm_engine.runner.model.modules():
+    for module in _models(llm_engine):
         for value in list(module._parameters.values()) + list(module._buffers.values()) + list(vars(module).values()):
             if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
                 seen.add(value.data_ptr())
@@ -304,8 +307,22 @@ def _weight_bytes(llm_engine) -> int:
 
 
 def _kv_bytes(llm_engine) -> int:
-    """The KV pool: one (key, value) pair of tensors per layer."""
-    return sum(t.numel() * t.element_size() for layer in llm_engine.runner.kv_cache for t in (layer.key, layer.value))
+    """The KV pools, the draft model's included: one (key, value) pair of tensors per layer."""
+    pools = [llm_engine.runner.kv_cache]
+    if draft := _draft(llm_engine):
+        pools.append(draft.kv_cache)
+    return sum(t.numel() * t.element_size() for pool in pools for layer in pool for t in (layer.key, layer.value))
+
+
+def _draft(llm_engine) -> DraftModelProposer | None:
+    """The engine's draft-model proposer, if it has one (it holds a second model and pool)."""
+    return llm_engine.proposer if isinstance(llm_engine.proposer, DraftModelProposer) else None
+
+
+def _models(llm_engine):
+    yield from llm_engine.runner.model.modules()
+    if draft := _draft(llm_engine):
+        yield from draft.model.modules()
 
 
 def _return_freed_memory() -> None:
