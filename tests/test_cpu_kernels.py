@@ -10,6 +10,7 @@ from tinyserve.layers import cpu_kernels, ops
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.ops import torch_rms_norm as rms_norm
 from tinyserve.layers.rotary import RotaryEmbedding
+from tinyserve.layers.weight_format import DenseWeight
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -156,3 +157,40 @@ def test_token_bitmask_refuses_rows_outside_the_batch_and_short_masks():
         cpu_kernels.apply_token_bitmask(logits, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2]))
     with pytest.raises(RuntimeError, match="too few"):
         cpu_kernels.apply_token_bitmask(logits, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 8, 9, 16, 17])  # each pass size, a pass of 8 and a rest
+@pytest.mark.parametrize("shape", [(96, 64), (37, 40), (5, 17), (1, 8)])  # rows in groups and a rest; lanes and a rest
+def test_f32_matmul_equals_the_float64_product(tokens, shape):
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(tokens * 100 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(tokens, 2 * in_features, generator=gen)[:, ::2]  # strided rows: the kernel copies them
+    expected = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(cpu_kernels.f32_matmul(x, weight), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_f32_matmul_refuses_what_it_cannot_read():
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="x has 8 inputs, the weight 16"):
+        cpu_kernels.f32_matmul(x, torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.f32_matmul(x, torch.randn(8, 4).T)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.f32_matmul(x.to(torch.bfloat16), torch.randn(4, 8))
+    assert cpu_kernels.f32_matmul(torch.randn(0, 8), torch.randn(4, 8)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, ops.F32_KERNEL_MAX_TOKENS, ops.F32_KERNEL_MAX_TOKENS + 1])
+def test_float32_linear_takes_the_kernel_for_few_tokens_only(monkeypatch, tokens):
+    """ops.linear: a float32 step of up to F32_KERNEL_MAX_TOKENS tokens in our kernel (bias added after),
+    larger ones in F.linear; both give F.linear's values."""
+    calls = []
+    kernel = cpu_kernels.f32_matmul
+    monkeypatch.setattr(cpu_kernels, "f32_matmul", lambda x, w: calls.append(x.shape) or kernel(x, w))
+    gen = torch.Generator().manual_seed(tokens)
+    weight, bias = torch.randn(24, 32, generator=gen), torch.randn(24, generator=gen)
+    x = torch.randn(tokens, 32, generator=gen)
+    out = ops.linear(x, DenseWeight(weight), bias)
+    assert calls == ([(tokens, 32)] if tokens <= ops.F32_KERNEL_MAX_TOKENS else [])
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

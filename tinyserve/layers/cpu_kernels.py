@@ -6,7 +6,8 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
 - the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
   rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops;
 - matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp):
-  weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md).
+  weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
+  in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix.
 
 They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES). The first build compiles every source
 with g++ and ninja (both installed by `make setup`); later processes load the cached library from
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp",
-                                           "quantized_matmul.cpp", "bf16_matmul.cpp", "token_bitmask.cpp")]
+                                           "quantized_matmul.cpp", "bf16_matmul.cpp", "f32_matmul.cpp",
+                                           "token_bitmask.cpp")]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -130,6 +132,11 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [tokens, in] bfloat16 times a bfloat16 weight in layers/linear.py's interleaved layout -> [tokens, out]."""
     return _named("tinyserve::bf16_matmul", load().bf16_matmul, x, weight, out_features)
+
+
+def f32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 times a plain [out, in] float32 weight -> [tokens, out]."""
+    return _named("tinyserve::f32_matmul", load().f32_matmul, x, weight)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -108,11 +108,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+# Up to this many tokens a float32 step's linears run in our kernel, above it in torch's GEMM (which gains
+# on it as the tokens grow: docs/PERFORMANCE.md, "A float32 kernel for steps of a few tokens").
+F32_KERNEL_MAX_TOKENS = 16
+
+
+def _f32_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] <= F32_KERNEL_MAX_TOKENS and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.device.type == "cpu" and weight.is_contiguous()
+            and cpu_kernels.load() is not None)
+
+
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, in] times the weight in whichever format it was given at load -> [tokens, out]."""
     match weight:
         case DenseWeight():
-            return F.linear(x, weight.weight, bias)
+            if not _f32_kernel_takes(x, weight.weight):
+                return F.linear(x, weight.weight, bias)
+            out = cpu_kernels.f32_matmul(x, weight.weight)
         case OneDnnWeight():
             return torch.ops.mkldnn._linear_pointwise(x, weight.blocked, bias, "none", [], "")
         case Bf16Weight():

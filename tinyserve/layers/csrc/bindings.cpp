@@ -14,6 +14,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           const torch::Tensor& minimums, int64_t out_features);
 torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features);
+torch::Tensor f32_matmul(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           int64_t out_features);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("int4_matmul", &int4_matmul, "x times an int4 weight (groups of 32, float16 scale and minimum)");
   m.def("bf16_matmul", &bf16_matmul, "x times a bfloat16 weight interleaved by 16 rows");
+  m.def("f32_matmul", &f32_matmul, "x times a plain [out, in] float32 weight, for steps of a few tokens");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }
