@@ -69,8 +69,9 @@ class _Batch:
 
 
 def _batch_order(request: Request, num_new: int) -> tuple[bool, int]:
-    """Sort key: decodes before prefill chunks, decodes by context length, longest first (stable)."""
-    is_decode = num_new == 1
+    """Sort key: decodes (with or without proposals) before prefill chunks, decodes by context length,
+    longest first (stable)."""
+    is_decode = num_new == 1 + len(request.spec_token_ids)
     return (not is_decode, -request.num_computed_tokens if is_decode else 0)
 
 
@@ -157,9 +158,14 @@ class ModelRunner:
             input_ids.extend(request.all_token_ids[start : end - len(proposal)] + proposal)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_lens.append(num_new)
-            tables.append(table)
+            if proposal:  # a verify step: attended as 1 + k decode rows, row j seeing the cache up to itself
+                seq_lens.extend(range(start + 1, end + 1))
+                query_lens.extend([1] * num_new)
+                tables.extend([table] * num_new)
+            else:
+                seq_lens.append(end)
+                query_lens.append(num_new)
+                tables.append(table)
             if request.needs_prompt_logprobs:
                 # rows predicting prompt tokens not yet scored (after a preemption, recomputed ones are not)
                 first, last = max(start, len(request.prompt_logprobs)), min(end, request.num_prompt_tokens - 1)
