@@ -37,7 +37,8 @@ class DecodeGroup:
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go in the KV pool and what each sequence attends to. Sequences come
-    ordered decodes first (one query token each, longest context first), then prefill chunks."""
+    ordered decodes first (one query token each, longest context first), then prefill chunks. A verify
+    step's 1 + k tokens come as 1 + k decode rows of one table, each seeing the pool up to itself."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64; rows padded with block 0 past seq_lens
