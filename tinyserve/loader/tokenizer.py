@@ -7,6 +7,7 @@ renders them, so prompts match token for token.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
@@ -198,6 +199,18 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = {t["name"]: t["template"] for t in template}.get("default")
         return template
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with `source` as its chat template instead of the checkpoint's (--chat-template).
+        A template that does not compile is a ModelLoadError naming the line."""
+        try:
+            compiled = _compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelLoadError(f"chat template: line {exc.lineno}: {exc.message}") from None
+        other = copy.copy(self)  # the backend and ids are immutable: shared
+        other._text_backend, other._text_backend_lock = None, threading.Lock()
+        other.chat_template, other._compiled_template = source, compiled
+        return other
 
     @property
     def vocab_size(self) -> int:
