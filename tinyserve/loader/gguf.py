@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format), read by loader/gguf_file.py and dequantized by the `gguf` library:
 hyper-parameters from the metadata, tensors dequantized to float32 one at a time (a large one by blocks
-of rows), renamed to Hugging Face's names, and llama.cpp's Q/K row permutation undone so that the rotary
-layout is Hugging Face's again."""
+of rows), renamed to Hugging Face's names, and llama.cpp's converter's changes undone: its Q/K row
+permutation (Llama, Mistral), so that the rotary layout is Hugging Face's again, and the 1 it adds to
+Gemma 3's norm weights (its converter writes 1 + w; our GemmaRMSNorm, as transformers', holds w)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import NamedTensor, TensorSource
 
 # GGUF `general.architecture` -> our family key
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+                  "gemma3": "gemma3"}
+_HIDDEN_ACTS = {"gpt2": "gelu_new", "gemma3": "gelu_pytorch_tanh"}  # the others: silu
 _SUPPORTED_TYPES = {
     getattr(gguf.GGMLQuantizationType, name)
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -72,6 +75,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     norm_eps_key = "attention.layer_norm_epsilon" if family == "gpt2" else "attention.layer_norm_rms_epsilon"
     num_heads = get("attention.head_count", int)
+    gemma = _gemma3_fields(reader, get, num_heads) if family == "gemma3" else {}
     try:
         return ModelConfig(
             architecture=family,
@@ -88,15 +92,44 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
             rope_scaling=_rope_scaling(reader, arch, tensor_names),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            hidden_act="gelu_new" if family == "gpt2" else "silu",
-            # llama.cpp's key for a window on every layer (a converted Mistral may carry it); absent: none
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names or family == "gemma3",
+            hidden_act=_HIDDEN_ACTS.get(family, "silu"),
+            # llama.cpp's key for a window on every layer (a converted Mistral may carry it), or on Gemma 3's
+            # local layers; absent: none
             sliding_window=get("attention.sliding_window", int, 0) or None,
+            **gemma,
         )
     except ModelLoadError:
         raise
     except ValueError as exc:  # ModelConfig's and RopeScaling's checks
         raise ModelLoadError(f"{reader.path}: GGUF metadata: {exc}") from None
+
+
+def _gemma3_fields(reader: GGUFFile, get, num_heads: int) -> dict:
+    """What llama.cpp's converter leaves out of a Gemma 3 GGUF, taken as llama.cpp's gemma3 code takes it: every
+    6th layer global, the others local (the file may say otherwise in attention.sliding_window_pattern), the
+    local layers' rotary base 10000 (rope.freq_base_swa where the file has it), the attention scale
+    1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B model (62 layers), whose config says so."""
+    arch = "gemma3"
+    if field(reader, f"{arch}.attn_logit_softcapping"):
+        raise ModelLoadError(f"GGUF metadata: {arch}.attn_logit_softcapping is not supported")
+    num_layers, hidden = get("block_count", int), get("embedding_length", int)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    pattern = field(reader, pattern_key, 6)
+    if isinstance(pattern, list):  # llama.cpp's per-layer form: true where the layer is local
+        if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+            raise ModelLoadError(f"GGUF metadata: {pattern_key} must hold one bool per layer, got {pattern!r}")
+        is_sliding = tuple(pattern)
+    else:
+        period = _number(pattern, pattern_key, int)
+        if period < 1:
+            raise ModelLoadError(f"GGUF metadata: {pattern_key} must be >= 1, got {period}")
+        is_sliding = tuple((i + 1) % period != 0 for i in range(num_layers))
+    head_dim = get("attention.key_length", int, 0) or hidden // num_heads
+    softcap = get("final_logit_softcapping", float, 0.0) or None
+    return dict(layer_is_sliding=is_sliding, rope_local_theta=get("rope.freq_base_swa", float, 10000.0),
+                query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim),
+                final_logit_softcapping=softcap)
 
 
 # general.sampling.* keys (llama.cpp's model-embedded recommendations) -> SamplingDefaults' names
@@ -162,6 +195,9 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
     whose rows llama.cpp did not permute can also be read by blocks of rows (TensorSource.read_rows)."""
     arch, family = gguf_architecture(reader)
     permute = arch in ("llama", "mistral")  # llama.cpp permutes Q/K only for these
+    # Gemma's norms (input, post-attention, pre/post-FFN, q/k, final) all end in norm.weight, as the
+    # converter's test for adding 1 does
+    shifts_norms = family == "gemma3"
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(family, tensor.name)
         if hf_name is None:
@@ -172,11 +208,16 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
         elif permute and ".k_proj." in hf_name:
             num_heads = config.num_key_value_heads
 
-        def produce(tensor=tensor, num_heads=num_heads) -> torch.Tensor:
+        shift = 1.0 if shifts_norms and hf_name.endswith("norm.weight") else 0.0
+
+        def produce(tensor=tensor, num_heads=num_heads, shift=shift) -> torch.Tensor:
             w = _dequantize(tensor)
-            return _float32_tensor(w if num_heads is None else _unpermute_rope_rows(w, num_heads))
+            w = w if num_heads is None else _unpermute_rope_rows(w, num_heads)
+            return _float32_tensor(w - np.float32(shift) if shift else w)
 
         def read_rows(start: int, stop: int, tensor=tensor) -> torch.Tensor:
             return _float32_tensor(_dequantize(tensor, (start, stop)))
 
-        yield hf_name, TensorSource(tensor.shape, produce, read_rows if num_heads is None else None)
+        # the norms are vectors, read whole: only matrices are read by blocks of rows
+        rows = read_rows if num_heads is None and not shift else None
+        yield hf_name, TensorSource(tensor.shape, produce, rows)

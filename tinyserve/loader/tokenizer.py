@@ -7,6 +7,7 @@ renders them, so prompts match token for token.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
@@ -149,8 +150,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._special_id_of = {t.content: i for i, t in added.items() if t.special}
-        longest_first = sorted(self._special_id_of, key=len, reverse=True)  # leftmost-longest, as the backend
-        self._special_pattern = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        self._special_pattern_compiled: re.Pattern | None = None  # built on first use: see _special_pattern
         self._text_backend: tokenizers.Tokenizer | None = None  # built on first use: see _encode_as_text
         self._text_backend_lock = threading.Lock()
         # A text of more than n * max_token_chars characters cannot encode to n tokens or fewer (None: no such
@@ -199,6 +199,18 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = {t["name"]: t["template"] for t in template}.get("default")
         return template
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with `source` as its chat template instead of the checkpoint's (--chat-template).
+        A template that does not compile is a ModelLoadError naming the line."""
+        try:
+            compiled = _compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelLoadError(f"chat template: line {exc.lineno}: {exc.message}") from None
+        other = copy.copy(self)  # the backend and ids are immutable: shared
+        other._text_backend, other._text_backend_lock = None, threading.Lock()
+        other.chat_template, other._compiled_template = source, compiled
+        return other
 
     @property
     def vocab_size(self) -> int:
@@ -281,6 +293,15 @@ class Tokenizer:
                     text, start = [], match.end()
             text.append(piece[start:])
         return ids + self._encode_as_text("".join(text))
+
+    @property
+    def _special_pattern(self) -> re.Pattern | None:
+        """The special tokens' texts, leftmost-longest as the backend matches them. Compiled on first use: Gemma's
+        6,249 control tokens take a second to compile, and only special text in a chat message needs it."""
+        if self._special_pattern_compiled is None and self._special_id_of:
+            longest_first = sorted(self._special_id_of, key=len, reverse=True)
+            self._special_pattern_compiled = re.compile("|".join(map(re.escape, longest_first)))
+        return self._special_pattern_compiled
 
     def _template_and_contents(self, messages: list[dict], add_generation_prompt: bool, prompt: str,
                                tools: list[dict] | None = None) -> list[str]:

@@ -113,8 +113,12 @@ async def encode_chat(state: ServerState, loaded: LoadedModel, messages: list[di
     """The conversation's prompt ids, rendered and encoded in a worker thread. Special-token text in
     content is encoded as text, and in a name refused, unless the server trusts its clients
     (allow_special_tokens_in_messages)."""
-    check_fits(loaded, sum(len(m["content"]) for m in messages), "messages")
     engine = loaded.engine
+    if engine.tokenizer.chat_template is None:  # a base model's GGUF, say: no way to know its turn format
+        raise BadRequest("this model has no chat template (its checkpoint carries none), so chat messages cannot "
+                         "be turned into a prompt: start the server with --chat-template FILE, or send the "
+                         "prompt as text to /v1/completions", param="messages", code="chat_template_missing")
+    check_fits(loaded, sum(len(m["content"]) for m in messages), "messages")
     trusted = state.config.allow_special_tokens_in_messages
     for i, message in enumerate(messages):  # a template may render a name as it is, special tokens and all
         if not trusted and engine.tokenizer.has_special_text(message.get("name", "")):
