@@ -73,6 +73,40 @@ def test_batch_invariance_under_queueing_chunking_and_preemption(smollm2_loaded,
         assert len(together[(i, 0)][0]) == lengths[i]
 
 
+def test_higher_priority_preempts_a_full_batch_and_every_text_matches_its_run_alone(smollm2_loaded):
+    tokens = smollm2_loaded.tokenizer.encode(TEXT * 2)
+    prompts = [tokens[i * 40 : i * 40 + 30] for i in range(6)]
+    low = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    high = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    engine = _engine(smollm2_loaded, max_num_seqs=4)
+    for i in range(4):
+        engine.add_request(f"low{i}", prompts[i], low, priority=5)
+    results: dict[str, list[int]] = {}
+    finished: list[str] = []
+
+    def step():
+        for out in engine.step():
+            results[out.request_id] = results.get(out.request_id, []) + out.new_token_ids
+            if out.finished:
+                finished.append(out.request_id)
+
+    for _ in range(3):
+        step()
+    assert engine.scheduler.num_running == 4
+    for i in (4, 5):
+        engine.add_request(f"high{i}", prompts[i], high, priority=0)
+    step()  # the cap is full of worse priorities: the two newest lows give up their seats at once
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == {"low0", "low1", "high4", "high5"} and engine.scheduler.num_preemptions == 2
+    while engine.has_unfinished_requests():
+        step()
+    assert set(finished[:2]) == {"high4", "high5"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
+    for request_id, params in [*((f"low{i}", low) for i in range(4)), *((f"high{i}", high) for i in (4, 5))]:
+        alone = _run(_engine(smollm2_loaded), [prompts[int(request_id[-1])]], [params])
+        assert results[request_id] == alone[(0, 0)][0], f"{request_id} differs from its run alone"
+
+
 def test_prefix_caching_hits_and_identical_outputs(smollm2_loaded):
     tokens = smollm2_loaded.tokenizer.encode(TEXT * 4)
     prefix = tokens[:300]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from tinyserve.engine.request_stream import STREAM_HIGH_WATER, STREAM_LOW_WATER, RequestStream
-from tinyserve.types import RequestOutput
+from tinyserve.types import FinishReason, RequestOutput
 
 NUM_SAMPLES = 2
 
@@ -19,7 +19,7 @@ class _RecordingEngine:
     def set_paused(self, request_id: str, paused: bool) -> None:
         self.pauses.append(paused)
 
-    def _close_stream(self, request_id: str, finished: bool) -> None:
+    def _close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None:
         self.closed.append((request_id, finished))
 
 

@@ -208,6 +208,70 @@ def test_preemption_victim_is_lowest_priority_even_if_older():
     assert_all_free(scheduler)
 
 
+def test_waiting_higher_priority_preempts_the_newest_lowest_when_the_cap_is_full():
+    scheduler = make_scheduler(max_num_seqs=2)
+    runner = FakeRunner(scheduler)
+    low_old = make_request("low_old", prompt_of(4, 0), max_tokens=10, priority=5)
+    low_new = make_request("low_new", prompt_of(4, 20), max_tokens=10, priority=5)
+    add(scheduler, low_old, low_new)
+    runner.step()
+    runner.step()
+    high = make_request("high", prompt_of(4, 40), max_tokens=3, priority=0)
+    same = make_request("same", prompt_of(4, 60), max_tokens=3, priority=5)  # an equal never preempts
+    add(scheduler, same, high)
+    output, _ = runner.step()
+    assert ids(output.preempted) == ["low_new"]
+    assert [r.request_id for r, _ in output.scheduled] == ["low_old", "high"]
+    # the victim keeps its arrival: it goes back ahead of the later request of its own priority
+    assert ids(scheduler.waiting) == ["low_new", "same"] and low_new.num_computed_tokens == 0
+    runner.run()
+    for request, start, max_tokens in [(low_old, 0, 10), (low_new, 20, 10), (high, 40, 3), (same, 60, 3)]:
+        assert request.output_token_ids == reference(prompt_of(4, start), max_tokens), request
+    assert scheduler.num_preemptions == 1
+    assert_all_free(scheduler)
+
+
+def test_waiting_higher_priority_preempts_for_blocks_and_never_preempts_equals():
+    # 6 blocks: two running 8-token prompts hold 4 (and grow); a 12-token prompt needs 3 more
+    scheduler = make_scheduler(num_blocks=6, prefix_caching=False)
+    runner = FakeRunner(scheduler)
+    low = make_request("low", prompt_of(8, 0), max_tokens=12, priority=1)
+    mid = make_request("mid", prompt_of(8, 30), max_tokens=12, priority=0)
+    add(scheduler, mid, low)
+    runner.step()
+    equal = make_request("equal", prompt_of(12, 60), max_tokens=2, priority=0)
+    scheduler.add_request(equal)
+    output, _ = runner.step()
+    assert ids(output.preempted) == ["low"] and "equal" in ids([r for r, _ in output.scheduled])
+    assert mid.num_preemptions == 0  # the equal priority waits for mid rather than preempting it
+    runner.run()
+    assert low.output_token_ids == reference(prompt_of(8, 0), 12)
+    assert equal.output_token_ids == reference(prompt_of(12, 60), 2)
+    assert_all_free(scheduler)
+
+
+def test_aging_bounds_how_long_better_priorities_overtake_and_preempt():
+    scheduler = make_scheduler(max_num_seqs=1, priority_aging_s=10.0)
+    runner = FakeRunner(scheduler)
+    old_low = Request("old_low", prompt_of(4), SamplingParams(max_tokens=4), priority=2, arrival_time=100.0)
+    scheduler.add_request(old_low)
+    runner.step()
+    # two levels better but 25 s later: 2 x 10 s of aging makes old_low first, so it is not preempted
+    late_high = Request("late_high", prompt_of(4, 20), SamplingParams(max_tokens=1), priority=0, arrival_time=125.0)
+    # two levels better and 15 s later: it still comes first, and preempts
+    early_high = Request("early_high", prompt_of(4, 40), SamplingParams(max_tokens=1), priority=0, arrival_time=115.0)
+    scheduler.add_request(late_high)
+    output, _ = runner.step()
+    assert not output.preempted and ids([r for r, _ in output.scheduled]) == ["old_low"]
+    scheduler.add_request(early_high)
+    output, _ = runner.step()
+    assert ids(output.preempted) == ["old_low"] and ids([r for r, _ in output.scheduled]) == ["early_high"]
+    assert ids(scheduler.waiting) == ["old_low", "late_high"]
+    runner.run()
+    assert old_low.output_token_ids == reference(prompt_of(4), 4)
+    assert_all_free(scheduler)
+
+
 def test_request_needing_the_block_preempts_itself_and_stops():
     scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=8, prefix_caching=False)
     low = make_request("low", prompt_of(7, 0), max_tokens=6, priority=1)
@@ -420,7 +484,7 @@ def test_randomized_run_keeps_invariants():
 
 def test_waiting_queue_at_scale_keeps_order_without_linear_work():
     """20,000 waiting requests added, half aborted, some paused and resumed: admission order is still
-    (priority, arrival, add order), and no operation scans the queue (the deadline catches O(n) each)."""
+    (aged priority, arrival, add order), and no operation scans the queue (the deadline catches O(n) each)."""
     rng = random.Random(3)
     scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
     deadline = time.monotonic() + 10.0
@@ -430,7 +494,8 @@ def test_waiting_queue_at_scale_keeps_order_without_linear_work():
         request = Request(f"r{i}", prompt_of(3), params, arrival_time=float(rng.randint(0, 500)),
                           priority=rng.randint(0, 3))
         scheduler.add_request(request)
-        keys[request.request_id] = (request.priority, request.arrival_time, i)
+        aged = request.priority * scheduler.config.priority_aging_s + request.arrival_time
+        keys[request.request_id] = (aged, request.arrival_time, i)
         by_id[request.request_id] = request
         assert i % 1000 or time.monotonic() < deadline, f"adding slowed down at {i} waiting"
     for n, request_id in enumerate(rng.sample(sorted(keys), 10_000)):

@@ -295,27 +295,42 @@ def test_disconnect_while_waiting_frees_the_queue(small_server):
     _wait_idle(small_server, 2)
 
 
-def test_request_timeout_counts_from_arrival(loaded):
+def test_deadlines_count_from_arrival_and_a_queued_request_is_never_computed(loaded):
+    """One seat, the server's --request-timeout 2.5 s. A runs (its own timeout of 50 s is capped to 2.5)
+    and returns its text so far; B (1 s, streamed) and C (2 s) wait behind it and time out unscheduled."""
     one_seat = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),
                             scheduler=SchedulerConfig(max_model_len=2048, max_num_seqs=1))
-    srv = _start(loaded, one_seat, request_timeout=2.0, warmup=False)
-    long_body = {"prompt": "Go on:", "max_tokens": 1000, "ignore_eos": True}
+    srv = _start(loaded, one_seat, request_timeout=2.5, warmup=False)
+    body = {"prompt": "Go on:", "max_tokens": 1000, "ignore_eos": True}
     try:
+        prefill_before = _metric(srv.base_url, "prefill_tokens_total", default=0.0)
+
         async def ended(coroutine):
             return await coroutine, time.monotonic() - start
 
         async def run():
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
-                return await asyncio.gather(ended(client.post("/v1/completions", json=long_body)),
-                                            ended(_collect_stream(client, {**long_body, "stream": True})))
+                a = asyncio.create_task(ended(client.post("/v1/completions", json={**body, "timeout": 50})))
+                await asyncio.to_thread(_poll, lambda: srv.state.engine.stats.num_running == 1, 10)
+                return await asyncio.gather(
+                    a, ended(_collect_stream(client, {**body, "stream": True, "timeout": 1.0})),
+                    ended(client.post("/v1/completions", json={**body, "timeout": 2.0})))
 
         start = time.monotonic()
-        (held, held_s), (streamed, streamed_s) = asyncio.run(run())
-        # one seat: one of them waited in the queue all along, and its deadline still came 2 s after arrival
-        assert 2.0 <= held_s < 3.5 and 2.0 <= streamed_s < 3.5, (held_s, streamed_s)
-        assert held.status_code == 504 and held.json()["error"]["code"] == "request_timeout"
-        assert streamed[-1] == "[DONE]" and json.loads(streamed[-2])["choices"][0]["finish_reason"] == "abort"
+        (a, a_s), (b, b_s), (c, c_s) = asyncio.run(run())
+        assert 2.5 <= a_s < 4.0 and 1.0 <= b_s < 2.0 and 2.0 <= c_s < 3.5, (a_s, b_s, c_s)
+        assert a.status_code == 200, a.text
+        choice, usage = a.json()["choices"][0], a.json()["usage"]
+        assert choice["finish_reason"] == "timeout" and choice["text"] and 0 < usage["completion_tokens"] < 1000
+        # streamed: the choice's finish reason, then the error event, then [DONE]
+        assert json.loads(b[-3])["choices"][0]["finish_reason"] == "timeout"
+        assert json.loads(b[-2])["error"]["code"] == "request_timeout" and b[-1] == "[DONE]"
+        assert c.status_code == 504 and c.json()["error"]["code"] == "request_timeout"  # no token: nothing to return
         _wait_idle(srv, 2)
+        # only A's prompt was ever computed; every one of them is counted as a timeout
+        prompt_tokens = len(srv.state.engine.tokenizer.encode(body["prompt"]))
+        assert _metric(srv.base_url, "prefill_tokens_total") - prefill_before == prompt_tokens
+        assert _metric(srv.base_url, "request_success_total", 'finished_reason="timeout"') == 3
     finally:
         srv.stop()
 

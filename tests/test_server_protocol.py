@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from tinyserve.server.errors import BadRequest, bad_request_from_validation
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tinyserve.server.metrics import ServerMetrics, _token_buckets
-from tinyserve.server.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, ChatCompletionRequest, CompletionRequest,
+from tinyserve.server.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_REQUEST_TIMEOUT_S, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, refuse_unknown_fields, unknown_fields)
 from tinyserve.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
 
@@ -100,12 +100,17 @@ def test_size_caps_come_from_the_validation_context():
     assert _error(DetokenizeRequest, {"tokens": [0] * 1_000_001}).param == "tokens"
 
 
-def test_priority_and_cache_salt_bounds():
+def test_priority_timeout_and_cache_salt_bounds():
     for priority in (MAX_PRIORITY, -MAX_PRIORITY, 0):
         assert CompletionRequest.model_validate({"prompt": "x", "priority": priority}).priority == priority
     for priority in (MAX_PRIORITY + 1, -MAX_PRIORITY - 1, -(10**18)):
         error = _error(CompletionRequest, {"prompt": "x", "priority": priority})
         assert error.param == "priority" and error.message.startswith("priority: must be in [-1000, 1000]")
+    for timeout in (0.001, 2.5, MAX_REQUEST_TIMEOUT_S):
+        assert _chat(timeout=timeout).timeout == timeout
+    for timeout in (0, -1, MAX_REQUEST_TIMEOUT_S * 2, float("nan"), float("inf"), "soon"):
+        assert _error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "timeout": timeout}
+                      ).param == "timeout"
     assert _chat(cache_salt="t" * MAX_CACHE_SALT_CHARS).cache_salt == "t" * MAX_CACHE_SALT_CHARS
     for salt in ("", "t" * (MAX_CACHE_SALT_CHARS + 1), 7):
         assert _error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "cache_salt": salt}

@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=SchedulerConfig.max_model_len)
+    g.add_argument("--priority-aging", type=float, default=SchedulerConfig.priority_aging_s, metavar="S",
+                   help="seconds of waiting worth one priority level: a request is overtaken or preempted by "
+                        "better priorities for at most S x their gap (default %(default)g)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=EngineConfig.seed)
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
@@ -109,7 +112,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len),
+                                  max_model_len=args.max_model_len, priority_aging_s=args.priority_aging),
         speculative=SpeculativeConfig(
             method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -378,7 +381,8 @@ def _add_serve_parser(sub) -> None:
                    help="waiting sequences beyond which new requests get 503 ('none': no limit); "
                         "a request of more samples (prompts x n) than this gets 400")
     g.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout, metavar="S",
-                   help="abort a request this many seconds after its arrival (default: never)")
+                   help="end a request this many seconds after its arrival (finish_reason timeout); caps a "
+                        "request's own `timeout` field (default: never)")
     g.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout, metavar="S",
                    help="on SIGTERM/SIGINT, in-flight requests get this long to finish before being aborted; "
                         "a second signal aborts them at once")

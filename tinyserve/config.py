@@ -205,8 +205,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (decodes + prefill chunks)
     max_model_len: int | None = None  # None: the model's context length (derived at start-up)
+    # aging: one priority level is worth this many seconds of waiting, so a request is overtaken (or
+    # preempted) by better-priority arrivals for at most priority_aging_s x (their priority gap) seconds
+    priority_aging_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

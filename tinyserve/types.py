@@ -45,7 +45,8 @@ MAX_LOGIT_BIAS = 1024
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled: client gone, timeout, shutdown
+    ABORT = "abort"  # cancelled: client gone, shutdown
+    TIMEOUT = "timeout"  # the request's deadline passed (server: its text so far)
     ERROR = "error"  # the engine failed while the request was in flight
 
 

@@ -18,7 +18,7 @@ from tinyserve.bench.config import ServeBenchConfig
 from tinyserve.bench.datasets import SampleRequest
 from tinyserve.bench.metrics import RequestResult
 
-FAILED_FINISH_REASONS = ("error", "abort")
+FAILED_FINISH_REASONS = ("error", "abort", "timeout")
 SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 

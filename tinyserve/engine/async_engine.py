@@ -63,6 +63,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    reason: FinishReason = FinishReason.ABORT
 
 
 @dataclass
@@ -201,11 +202,11 @@ class AsyncEngine:
         never wait for it; InvalidRequest if it cannot be compiled."""
         await asyncio.to_thread(self.engine.structured_outputs.compile, spec)
 
-    def _close_stream(self, request_id: str, finished: bool) -> None:
+    def _close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None:
         with self._streams_lock:
             entry = self._streams.pop(request_id, None)
         if entry is not None and not finished:
-            self._post(_Abort(request_id))
+            self._post(_Abort(request_id, reason))
 
     def set_paused(self, request_id: str, paused: bool) -> None:
         """Stop (or restart) generating for a request whose reader has fallen behind."""
@@ -291,7 +292,7 @@ class AsyncEngine:
         num_added = 0
         for item in inbox:
             if isinstance(item, _Abort):
-                outputs += self.engine.abort(item.request_id)
+                outputs += self.engine.abort(item.request_id, item.reason)
             elif isinstance(item, _Pause):
                 self.engine.set_paused(item.request_id, item.paused)
             else:

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 # what a failed request's client reads: the traceback stays in the log
 GENERATION_FAILED = "generation failed"
+CANCELLED = (FinishReason.ABORT, FinishReason.TIMEOUT)  # ended from outside: no error of their own
 
 
 class LLMEngine:
@@ -111,6 +112,7 @@ class LLMEngine:
                                                cache_config.block_size)
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its unfinished samples' group
         self.num_steps = 0
+        self.num_prefill_tokens = 0
         self.num_failed_requests = 0
         self._num_consecutive_failed_steps = 0
 
@@ -183,12 +185,13 @@ class LLMEngine:
         self._groups.setdefault(request_id, RequestGroup(request_id)).samples.extend(samples)
         logger.debug("request %s queued: %d prompt tokens, n=%d", request_id, len(prompt_ids), params.n)
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        """Cancel every unfinished sample of a request now (blocks freed); their final outputs."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[RequestOutput]:
+        """Cancel every unfinished sample of a request now (blocks freed); their final outputs, finished
+        with `reason` (ABORT, or TIMEOUT for a deadline)."""
         group = self._groups.get(request_id)
         finals = []
         for request in group.unfinished if group is not None else []:
-            self._release(request, FinishReason.ABORT)
+            self._release(request, reason)
             finals.append(self._output_of(request, None))
         return finals
 
@@ -242,6 +245,8 @@ class LLMEngine:
         """The batch stage: one forward pass and one sample over every scheduled request."""
         if plan.is_empty:
             return StepResult({}, {})
+        # before the update: a request with more than its newest token left to compute is in its prompt
+        self.num_prefill_tokens += sum(n for r, n in plan.scheduled if r.num_tokens - r.num_computed_tokens > 1)
         result = self.runner.execute(plan.scheduled)
         self.num_steps += 1
         for request, scored in result.prompt_logprobs.items():
@@ -322,10 +327,10 @@ class LLMEngine:
             logger.exception("%s failed while its output was built", request)
             if not request.is_finished:
                 self._release(request, FinishReason.ERROR)
-            elif request.finish_reason is not FinishReason.ABORT:  # an abort still ends it, without its text
+            elif request.finish_reason not in CANCELLED:  # an abort still ends it, without its text
                 request.finish_reason = FinishReason.ERROR
                 self.num_failed_requests += 1
-            error = None if request.finish_reason is FinishReason.ABORT else GENERATION_FAILED
+            error = None if request.finish_reason in CANCELLED else GENERATION_FAILED
             return self.outputs.final_without_text(request, error)
         finally:
             if request.is_finished:
@@ -363,5 +368,6 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests,
             num_paused=self.scheduler.num_paused,
+            num_prefill_tokens=self.num_prefill_tokens,
             spec_decode=self.proposer.stats.copy() if self.proposer is not None else None,
         )

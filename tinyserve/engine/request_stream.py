@@ -89,7 +89,7 @@ class RequestStream:
         blocks are freed when the engine thread gets there)."""
         if self._is_cancelled:
             return
-        self._engine._close_stream(self.request_id, finished=False)
+        self._engine._close_stream(self.request_id, finished=False, reason=reason)
         for prompt_index, index in self._samples:
             if (prompt_index, index) not in self._finals_queued:
                 self._queue.put_nowait(RequestOutput(self.request_id, index, "", [], reason,

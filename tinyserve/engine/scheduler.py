@@ -10,6 +10,10 @@ Each step: running requests first (decodes, then the next chunks of prompts alre
 prompt never stalls running streams; a running request that cannot get a block preempts the
 lowest-priority, newest running request; then, if nothing was preempted, waiting requests are admitted
 in priority order (lower first, FCFS among equals) while the budget, the cap and free blocks allow.
+Priorities preempt: a waiting request that finds the cap full or too few blocks preempts the last running
+request in order if that one's priority is worse. Order ages: a request's key is its priority times
+priority_aging_s plus its arrival time, so a wait of priority_aging_s seconds counts as one level and a
+low-priority request is overtaken (or preempted) for a bounded time only, never starved.
 A paused request (its client reads slowly) holds nothing: running, it is preempted; waiting, it leaves
 the queue until resumed, so it blocks nobody behind it.
 """
@@ -28,7 +32,7 @@ from tinyserve.types import FinishReason
 
 logger = logging.getLogger(__name__)
 
-OrderKey = tuple[int, float, int]  # (priority, arrival_time, add order): lower runs first
+OrderKey = tuple[float, float, int]  # (aged priority, arrival_time, add order): lower runs first
 
 
 class WaitingQueue:
@@ -303,14 +307,20 @@ class Scheduler:
         gated: list[Request] = []
         while (request := self._queue.peek()) is not None:
             budget = self._token_budget(output)
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for_priority(request, output):
+                    continue
                 break
             must_wait, fork_source = self._parent_gate(request)
             if must_wait:  # not a resource stall: requests behind it may still go
                 gated.append(self._queue.pop())
                 continue
             num_new = self._allocate_for_admission(request, budget, fork_source)
-            if num_new is None:  # no preemption for admissions; FCFS: nobody overtakes the head
+            if num_new is None:  # FCFS: nobody overtakes the head, which may only preempt worse priorities
+                if self._preempt_for_priority(request, output):
+                    continue
                 break
             self._queue.pop()
             self.running.append(request)
@@ -325,6 +335,19 @@ class Scheduler:
             )
         for request in gated:
             self._enqueue(request)
+
+    def _preempt_for_priority(self, request: Request, output: SchedulerOutput) -> bool:
+        """Preempt the last running request in order for the waiting `request`, if that one has a worse
+        priority and, aged, still comes after it. Returns whether one was preempted."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=self._order_key)
+        if victim.priority <= request.priority or self._order_key(victim) < self._order_key(request):
+            return False
+        logger.debug("%s (priority %d) preempts %s (priority %d)", request, request.priority, victim,
+                     victim.priority)
+        self._preempt(victim, output)
+        return True
 
     def _allocate_for_admission(self, request: Request, budget: int, fork_source: Request | None) -> int | None:
         """Start the request's blocks from a fork of its parent or from the prefix cache, then allocate
@@ -386,8 +409,10 @@ class Scheduler:
         self._queue.push(request, self._order_key(request))
 
     def _order_key(self, request: Request) -> OrderKey:
-        """Lower runs first: priority, then arrival (FCFS). Preemption picks the max."""
-        return request.priority, request.arrival_time, request.add_order
+        """Lower runs first: priority aged by the time since arrival, then arrival (FCFS among equals).
+        Preemption picks the max. Static although it ages: every request ages at the same rate."""
+        aged = request.priority * self.config.priority_aging_s + request.arrival_time
+        return aged, request.arrival_time, request.add_order
 
     def _unschedule(self, request: Request, output: SchedulerOutput) -> None:
         """Take back a request scheduled earlier in this step, and its tokens from the budget."""

@@ -28,7 +28,8 @@ async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     state.admit()
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
-    loaded = await state.acquire(body.model, arrival)  # 404, or loads the model on demand
+    timeout = state.request_timeout(body.timeout)
+    loaded = await state.acquire(body.model, arrival, timeout)  # 404, or loads the model on demand
     engine = loaded.engine
     with loaded.pending():  # a swap or unload waits for this request until its stream is open
         params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
@@ -43,8 +44,8 @@ async def create_chat_completion(request: Request) -> Response:
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival,
-                                state.config.request_timeout, request.state.request_id, body.cache_salt)
+        generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival, timeout,
+                                request.state.request_id, body.cache_salt)
         texts = loaded.token_texts if params.logprobs is not None else None
         # again, counting every sample, with no await before queueing (see completions)
         state.registry.resolve(body.model).admit(params.n, loaded)

@@ -28,7 +28,8 @@ async def create_completion(request: Request) -> Response:
     state = server_state(request)
     state.admit()
     body = await parse_body(request, CompletionRequest, limits_context(state.config))
-    loaded = await state.acquire(body.model, arrival)  # 404, or loads the model on demand
+    timeout = state.request_timeout(body.timeout)
+    loaded = await state.acquire(body.model, arrival, timeout)  # 404, or loads the model on demand
     engine = loaded.engine
     with loaded.pending():  # a swap or unload waits for this request until its stream is open
         params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
@@ -37,8 +38,8 @@ async def create_completion(request: Request) -> Response:
         for ids in prompts:
             validate_prompt(engine, ids, params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = Generation(engine, request_id, prompts, params, body.priority, arrival,
-                                state.config.request_timeout, request.state.request_id, body.cache_salt)
+        generation = Generation(engine, request_id, prompts, params, body.priority, arrival, timeout,
+                                request.state.request_id, body.cache_salt)
         texts = loaded.token_texts
         echo = _Echo(body, prompts, texts) if body.echo else None
         head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}

@@ -2,9 +2,10 @@
 
 A Generation owns one engine request (all its prompts) and its one stream, and numbers the outputs as
 OpenAI's choice indices (prompt i, sample j -> i * n + j). Its deadline is counted from the request's
-arrival and kept here, on the event loop: when it passes, every sample ends at once with finish_reason
-"abort" (a 504 when not streaming), even if the engine thread is stuck in a step; the engine frees the
-blocks when it gets to the abort. A client that goes away closes the generation (streaming) or
+arrival and kept here, on the event loop: when it passes, every unfinished sample ends at once with
+finish_reason "timeout", even if the engine thread is stuck in a step (a request still waiting is never
+scheduled); the engine frees the blocks when it gets to the abort. Not streaming, the reply carries the
+text so far (a 504 if no sample got a token); a stream sends those finish reasons, then an error event. A client that goes away closes the generation (streaming) or
 triggers `abort()` (non-streaming), which aborts the engine request. A streaming client that reads nothing for
 `write_timeout` seconds is cut off the same way. When the run ends, one log line records it.
 """
@@ -28,7 +29,7 @@ from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
 from tinyserve.engine.request_stream import RequestStream
 from tinyserve.server.errors import APIError, ServiceUnavailable, Timeout
 from tinyserve.server.responses import ChatChunk, CompletionChunk, UsageInfo
-from tinyserve.types import RequestOutput, SamplingParams, TokenLogprob
+from tinyserve.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
 request_log = logging.getLogger("tinyserve.requests")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -61,7 +62,6 @@ class Generation:
         self.priority, self.arrival_time, self.timeout = priority, arrival_time, timeout
         self.cache_salt = cache_salt
         self.choices = [Choice() for _ in range(len(prompts) * params.n)]
-        self.timed_out = False
         self._stream: RequestStream | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._logged = False
@@ -104,9 +104,16 @@ class Generation:
             self._stream.set_reader_blocked(blocked)
 
     def _on_timeout(self) -> None:
-        self.timed_out = True
         if self._stream is not None:
-            self._stream.cancel()
+            self._stream.cancel(FinishReason.TIMEOUT)
+
+    @property
+    def hit_deadline(self) -> bool:
+        """Some sample was ended by the deadline (not merely: the timer fired after they all finished)."""
+        return any(c.finish_reason == FinishReason.TIMEOUT.value for c in self.choices)
+
+    def timeout_error(self) -> Timeout:
+        return Timeout(f"the request timed out after {self.timeout:g}s", code="request_timeout")
 
     def close(self) -> None:
         """Stop listening: unfinished engine requests are aborted and their blocks freed."""
@@ -180,8 +187,8 @@ async def run_to_end(generation: Generation, request: Request) -> None:
         raise generation.engine_error(exc) from None
     finally:
         watcher.cancel()
-    if generation.timed_out and any(c.finish_reason == "abort" for c in generation.choices):
-        raise Timeout(f"the request timed out after {generation.timeout:g}s", code="request_timeout")
+    if generation.hit_deadline and not generation.num_completion_tokens:
+        raise generation.timeout_error()
     if any(c.error for c in generation.choices):
         raise generation.engine_error()
 
@@ -210,6 +217,8 @@ async def event_stream(generation: Generation, chunk: Callable[..., CompletionCh
                 yield sse(generation.engine_error().body())
         if include_usage:
             yield event([], generation.usage())
+        if generation.hit_deadline:
+            yield sse(generation.timeout_error().body())
     except EngineDeadError as exc:
         yield sse(generation.engine_error(exc).body())
     except Exception:  # noqa: BLE001 - a bug mid-stream: the client still gets an error event and [DONE]

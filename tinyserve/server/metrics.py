@@ -67,6 +67,8 @@ class _EngineStatsCollector:
              lambda s, _: s.num_preemptions),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s, _: s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s, _: s.prefix_cache_hits),
+            ("prefill_tokens", "Tokens computed in prompt chunks (recomputes after preemption included).",
+             lambda s, _: s.num_prefill_tokens),
             # where the engine thread's time goes: a starved step loop shows longer steps or more overhead
             ("engine_steps", "Engine steps run.", lambda _, loop: loop.num_steps),
             ("engine_step_seconds", "Seconds inside engine steps.", lambda _, loop: loop.step_seconds),

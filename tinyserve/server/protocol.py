@@ -34,6 +34,7 @@ from tinyserve.types import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_ID
 
 MAX_PRIORITY = 1000  # client priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]; the server's own probes run below
 MAX_CACHE_SALT_CHARS = 256
+MAX_REQUEST_TIMEOUT_S = 24 * 3600.0  # a client's `timeout` (seconds); the server's --request-timeout caps it
 MAX_DETOKENIZE_TOKENS = 1_000_000
 
 
@@ -117,6 +118,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top k
     priority: int = 0  # lower runs first
+    timeout: float | None = None  # seconds from arrival, capped by the server's (server/state.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the provider's abuse monitoring; none here: a no-op
@@ -137,6 +139,13 @@ class _SamplingFields(_Strict):
     def _priority(cls, value: int) -> int:
         if not -MAX_PRIORITY <= value <= MAX_PRIORITY:
             raise ValueError(f"must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {value}")
+        return value
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= MAX_REQUEST_TIMEOUT_S:  # NaN fails this too
+            raise ValueError(f"must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {value}")
         return value
 
     @field_validator("cache_salt")

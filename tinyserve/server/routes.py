@@ -57,7 +57,7 @@ async def tokenize(request: Request) -> dict:
     state = server_state(request)
     state.check_phase()
     body = await parse_body(request, TokenizeRequest, limits_context(state.config))
-    loaded = await state.acquire(body.model, time.monotonic())
+    loaded = await state.acquire(body.model, time.monotonic(), state.config.request_timeout)
     engine = loaded.engine
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("prompt: give exactly one of prompt and messages", param="prompt")
@@ -74,7 +74,7 @@ async def detokenize(request: Request) -> dict:
     state = server_state(request)
     state.check_phase()
     body = await parse_body(request, DetokenizeRequest, limits_context(state.config))
-    engine = (await state.acquire(body.model, time.monotonic())).engine
+    engine = (await state.acquire(body.model, time.monotonic(), state.config.request_timeout)).engine
     vocab = engine.engine.model_config.vocab_size
 
     def check_and_decode(tokens: list[int]) -> str:

@@ -111,12 +111,17 @@ class ServerState:
             return self.default.admit(num_samples)
         return None
 
-    async def acquire(self, name: str | None, arrival: float) -> LoadedModel:
+    def request_timeout(self, requested: float | None) -> float | None:
+        """A request's deadline in seconds from arrival: its own `timeout`, capped by --request-timeout."""
+        limits = [t for t in (requested, self.config.request_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    async def acquire(self, name: str | None, arrival: float, timeout: float | None) -> LoadedModel:
         """After parsing: the load a request's `model` names (404 if none), loaded on demand within the
-        request's timeout, and admitted. Wrap the work up to Generation.start in its `pending()`."""
+        request's timeout (`request_timeout`), and admitted. Wrap the work up to Generation.start in its
+        `pending()`."""
         slot = self.registry.resolve(name)
         self.check_phase()
-        timeout = self.config.request_timeout
         remaining = None if timeout is None else max(0.0, arrival + timeout - time.monotonic())
         return await self.registry.ensure_loaded(slot, remaining)
 
