@@ -351,6 +351,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         allow_unknown_fields=args.allow_unknown_fields,
         stream_write_timeout=args.stream_write_timeout, body_read_timeout=args.body_read_timeout,
         max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout,
+        admission=args.admission, target_ttft=None if args.target_ttft is None else args.target_ttft / 1000,
     )
 
 
@@ -380,6 +381,11 @@ def _add_serve_parser(sub) -> None:
                    default=ServerConfig.max_queue, metavar="N",
                    help="waiting sequences beyond which new requests get 503 ('none': no limit); "
                         "a request of more samples (prompts x n) than this gets 400")
+    g.add_argument("--admission", choices=("fixed", "adaptive"), default=ServerConfig.admission,
+                   help="fixed: up to --max-queue sequences wait; adaptive: the limit follows measured TTFT "
+                        "to hold --target-ttft (README 'Admission')")
+    g.add_argument("--target-ttft", type=float, default=None, metavar="MS",
+                   help="adaptive admission's time-to-first-token target, in milliseconds")
     g.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout, metavar="S",
                    help="end a request this many seconds after its arrival (finish_reason timeout); caps a "
                         "request's own `timeout` field (default: never)")

@@ -360,6 +360,10 @@ class ServerConfig:
     memory_budget_gib: float | None = None  # weights + KV pools of the loaded models; each gets its share
     idle_unload: float | None = None  # seconds without a request after which a model is unloaded
     drain_timeout: float = 30.0  # swap / unload: seconds in-flight requests get before they are aborted
+    # "fixed": up to max_queue samples wait; "adaptive": the limit follows measured TTFT to hold target_ttft
+    # seconds (server/admission.py), max_queue still the ceiling
+    admission: Literal["fixed", "adaptive"] = "fixed"
+    target_ttft: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -382,6 +386,12 @@ class ServerConfig:
         for name in ("shutdown_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+        if self.admission not in ("fixed", "adaptive"):
+            raise ValueError(f"admission must be fixed or adaptive, got {self.admission!r}")
+        if (self.admission == "adaptive") != (self.target_ttft is not None):
+            raise ValueError("admission adaptive and target_ttft go together (the target is what it holds)")
+        if self.target_ttft is not None and not self.target_ttft > 0:
+            raise ValueError(f"target_ttft must be > 0 seconds, got {self.target_ttft}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         for name in ("max_prompts_per_request", "max_messages", "max_connections"):

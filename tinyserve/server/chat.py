@@ -30,6 +30,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
     timeout = state.request_timeout(body.timeout)
     loaded = await state.acquire(body.model, arrival, timeout)  # 404, or loads the model on demand
+    slot = state.registry.resolve(body.model)
     engine = loaded.engine
     with loaded.pending():  # a swap or unload waits for this request until its stream is open
         params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
@@ -48,8 +49,8 @@ async def create_chat_completion(request: Request) -> Response:
                                 request.state.request_id, body.cache_salt)
         texts = loaded.token_texts if params.logprobs is not None else None
         # again, counting every sample, with no await before queueing (see completions)
-        state.registry.resolve(body.model).admit(params.n, loaded)
-        generation.start()
+        slot.admit(params.n, loaded)
+        generation.start(slot.ticket(params.n))
     head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     if body.stream:
         options = body.stream_options

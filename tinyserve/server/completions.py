@@ -30,6 +30,7 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest, limits_context(state.config))
     timeout = state.request_timeout(body.timeout)
     loaded = await state.acquire(body.model, arrival, timeout)  # 404, or loads the model on demand
+    slot = state.registry.resolve(body.model)
     engine = loaded.engine
     with loaded.pending():  # a swap or unload waits for this request until its stream is open
         params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
@@ -44,8 +45,8 @@ async def create_completion(request: Request) -> Response:
         echo = _Echo(body, prompts, texts) if body.echo else None
         head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
         # again, counting every sample, with no await before queueing: the awaits above let other requests in
-        state.registry.resolve(body.model).admit(len(prompts) * params.n, loaded)
-        generation.start()
+        slot.admit(len(prompts) * params.n, loaded)
+        generation.start(slot.ticket(len(prompts) * params.n))
     if body.stream:
         options = body.stream_options
         choice = _choice(texts if body.logprobs is not None else None, params.n, echo)

@@ -27,6 +27,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
 from tinyserve.engine.request_stream import RequestStream
+from tinyserve.server.admission import AdmissionTicket
 from tinyserve.server.errors import APIError, ServiceUnavailable, Timeout
 from tinyserve.server.responses import ChatChunk, CompletionChunk, UsageInfo
 from tinyserve.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
@@ -61,6 +62,7 @@ class Generation:
         self.http_request_id = http_request_id  # X-Request-Id: what the client can quote
         self.priority, self.arrival_time, self.timeout = priority, arrival_time, timeout
         self.cache_salt = cache_salt
+        self._ticket: AdmissionTicket | None = None  # adaptive admission's, told of the first token
         self.choices = [Choice() for _ in range(len(prompts) * params.n)]
         self._stream: RequestStream | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -68,8 +70,9 @@ class Generation:
         self._first_token_time: float | None = None
         self._first_scheduled_time: float | None = None
 
-    def start(self) -> None:
+    def start(self, ticket: AdmissionTicket | None = None) -> None:
         """Queue every prompt in the engine now: no await between the caller's admission check and this."""
+        self._ticket = ticket
         self._stream = self.engine.submit(self.request_id, self.prompts, self.params, self.priority,
                                           self.arrival_time, self.cache_salt)
         if self.timeout is not None:
@@ -119,6 +122,8 @@ class Generation:
         """Stop listening: unfinished engine requests are aborted and their blocks freed."""
         if self._timer is not None:
             self._timer.cancel()
+        if self._ticket is not None:
+            self._ticket.close()
         if self._stream is not None:
             self._stream.close()
         if self._stream is not None and not self._logged:
@@ -136,6 +141,8 @@ class Generation:
             self.close()
 
     def _record(self, choice: Choice, out: RequestOutput) -> None:
+        if out.new_token_ids and self._ticket is not None:
+            self._ticket.first_token(time.monotonic() - self.arrival_time)
         if out.new_text:
             choice.text.append(out.new_text)
         choice.num_tokens += len(out.new_token_ids)

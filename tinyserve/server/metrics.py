@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -129,6 +129,9 @@ class MetricSet:
         self.generation_tokens = Counter("tinyserve:generation_tokens", "Generated tokens.", label, registry=reg)
         self.success = Counter("tinyserve:request_success", "Finished requests by finish reason.",
                                label + ["finished_reason"], registry=reg)
+        self.admission_limit = Gauge("tinyserve:admission_limit",
+                                     "Samples admission lets wait (--max-queue, or adaptive admission's limit).",
+                                     label, registry=reg)
         self.rejected = Counter("tinyserve:request_rejected",
                                 "Requests refused by admission (503, or 400 too_many_samples).",
                                 label + ["reason"], registry=reg)
@@ -202,6 +205,9 @@ class ServerMetrics:
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         self.e2e.observe((m.finished_time or now) - m.arrival_time)
+
+    def set_admission_limit(self, limit: float) -> None:
+        self.metric_set.admission_limit.labels(self.model_name).set(limit)
 
     def rejected(self, reason: str) -> None:
         self.metric_set.rejected.labels(self.model_name, reason).inc()

@@ -25,6 +25,7 @@ from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.engine.draft_model import DraftModelProposer
 from tinyserve.engine.malloc_tuning import return_freed_host_memory
 from tinyserve.engine.step_loop import StepLoop
+from tinyserve.server.admission import AdaptiveAdmission, AdmissionTicket
 from tinyserve.server.errors import BadRequest, ServiceUnavailable
 from tinyserve.server.logprobs import TokenTexts
 from tinyserve.server.metrics import ServerMetrics
@@ -83,6 +84,10 @@ class ModelSlot:
         self.load_seconds: float | None = None
         self._engine_factory = engine_factory
         self._draining: list[LoadedModel] = []  # swapped out, finishing their requests
+        self.admission = (AdaptiveAdmission(config.target_ttft, config.max_queue, metrics.set_admission_limit)
+                          if config.admission == "adaptive" else None)
+        if self.admission is None and config.max_queue is not None:
+            metrics.set_admission_limit(config.max_queue)
 
     # admission
 
@@ -113,21 +118,31 @@ class ModelSlot:
             elif not loaded.engine.is_alive:
                 raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
             limit, engine = self.config.max_queue, loaded.engine
-            if limit is not None:
-                if num_samples > limit:
-                    raise BadRequest(f"n: the request asks for {num_samples} samples (prompts x n), more than "
-                                     f"this server queues ({limit}); send fewer prompts or a smaller n",
-                                     param="n", code="too_many_samples")
-                free_slots = max(0, self.engine_config.scheduler.max_num_seqs - engine.stats.num_running)
-                if engine.num_waiting - free_slots + num_samples > limit:
+            if limit is not None and num_samples > limit:
+                raise BadRequest(f"n: the request asks for {num_samples} samples (prompts x n), more than "
+                                 f"this server queues ({limit}); send fewer prompts or a smaller n",
+                                 param="n", code="too_many_samples")
+            free_slots = max(0, self.engine_config.scheduler.max_num_seqs - engine.stats.num_running)
+            num_waiting = engine.num_waiting - free_slots  # beyond the seats a step would fill now
+            if self.admission is not None:
+                if not self.admission.admits(num_samples):
                     raise ServiceUnavailable(
-                        f"the server is overloaded ({engine.num_waiting} sequences waiting, limit {limit}); "
-                        "retry later", code="overloaded")
+                        f"the server is over its latency target ({self.admission.num_pending} sequences "
+                        f"without a first token, adaptive limit {self.admission.limit:.1f}); retry later",
+                        code="overloaded", retry_after=self.admission.retry_after())
+            elif limit is not None and num_waiting + num_samples > limit:
+                raise ServiceUnavailable(
+                    f"the server is overloaded ({engine.num_waiting} sequences waiting, limit {limit}); "
+                    "retry later", code="overloaded")
         except (ServiceUnavailable, BadRequest) as exc:
             self.metrics.rejected(exc.code)
             raise
         self.last_used = time.monotonic()
         return loaded
+
+    def ticket(self, num_samples: int) -> AdmissionTicket | None:
+        """Adaptive admission: counts a just-admitted request as pending until its first token."""
+        return self.admission.ticket(num_samples) if self.admission is not None else None
 
     def health(self) -> tuple[bool, str]:
         if self.phase == "unloaded":
