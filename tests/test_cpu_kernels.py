@@ -2,6 +2,8 @@
 round where torch rounds), within float32 summation order in float32; and the layers that call them,
 on both paths."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -194,3 +196,22 @@ def test_float32_linear_takes_the_kernel_for_few_tokens_only(monkeypatch, tokens
     out = ops.linear(x, DenseWeight(weight), bias)
     assert calls == ([(tokens, 32)] if tokens <= ops.F32_KERNEL_MAX_TOKENS else [])
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_build_is_named_by_its_sources_and_compiles_copies_of_them(tmp_path, monkeypatch):
+    """Two checkouts with the same kernels share a build; a changed kernel gets a build of its own."""
+    checkout = tmp_path / "checkout" / "csrc"
+    checkout.parent.mkdir()
+    shutil.copytree(cpu_kernels._CSRC, checkout)
+    assert cpu_kernels.build_name() == (same := cpu_kernels.build_name())
+    monkeypatch.setattr(cpu_kernels, "_CSRC", checkout)
+    assert cpu_kernels.build_name() == same  # another path, the same sources
+    (checkout / "fused_ops.cpp").write_text((checkout / "fused_ops.cpp").read_text() + "\n// changed\n")
+    assert cpu_kernels.build_name() != same
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    staged = cpu_kernels._staged_sources(build_dir)
+    assert [p.rsplit("/", 1)[1] for p in staged] == list(cpu_kernels._SOURCES)
+    assert all(p.startswith(str(build_dir / "src")) for p in staged)
+    assert (build_dir / "src" / "fused_ops.cpp").read_text().endswith("// changed\n")
+    assert (build_dir / "src" / "float_types.h").exists()  # the headers come along

@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
         g.add_argument("--model", default=EngineConfig.model, help=what)
     g.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
     g.add_argument("--device", default=EngineConfig.device, help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU compute threads of torch and our kernels (default: torch's, one per physical core)")
     g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
                    help="weight-only quantization on CPU (bfloat16 activations): faster single-stream decode, "
                         "slower at large batches; see README 'Speed modes'")
@@ -460,12 +462,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _set_threads(threads: int | None) -> None:
+    """One process-wide setting: our kernels run on torch's OpenMP pool (they are linked against it)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tinyserve.loader.errors import ModelLoadError
 
     try:
+        _set_threads(getattr(args, "threads", None))
         return args.func(args)
     except (ModelLoadError, ValueError) as exc:  # bad model file or setting: one clear line, no traceback
         print(f"tinyserve: error: {exc}", file=sys.stderr)

@@ -9,10 +9,13 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix.
 
-They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES). The first build compiles every source
-with g++ and ninja (both installed by `make setup`); later processes load the cached library from
-~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). Build and load times: docs/PERFORMANCE.md,
-"Numbers behind the code's comments".
+They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES), by `make setup` (`python -m
+tinyserve.layers.cpu_kernels`), else by the first process that needs them: g++ and ninja compile every
+source, and later processes load the cached library from ~/.cache/torch_extensions (or
+$TORCH_EXTENSIONS_DIR). The build is named by a hash of the sources, flags and torch version, and
+compiles copies of the sources kept beside it, so checkouts with the same kernels share one build and a
+changed kernel gets its own (torch keys a build by name and recompiles whenever the source paths change).
+Build and load times: docs/PERFORMANCE.md, "Numbers behind the code's comments".
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,9 +38,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp",
-                                           "quantized_matmul.cpp", "bf16_matmul.cpp", "f32_matmul.cpp",
-                                           "token_bitmask.cpp")]
+_SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
+            "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp")
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -59,19 +63,44 @@ def _exclusive_build(name: str) -> Iterator[None]:
         yield
 
 
+def build_name() -> str:
+    """The build's name: a hash of every source and header, the flags and torch's version."""
+    digest = hashlib.sha256(f"{_CFLAGS} {torch.__version__}".encode())
+    for source in sorted(_CSRC.iterdir()):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return f"tinyserve_cpu_kernels_{digest.hexdigest()[:16]}"
+
+
+def _staged_sources(build_dir: Path) -> list[str]:
+    """Copies of the sources in the build's own folder: the same paths whichever checkout builds."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for source in _CSRC.iterdir():
+        if source.suffix in (".cpp", ".h") and not (staged / source.name).exists():
+            shutil.copyfile(source, staged / f".{source.name}.tmp")
+            os.replace(staged / f".{source.name}.tmp", staged / source.name)  # never a half-copied file
+    return [str(staged / name) for name in _SOURCES]
+
+
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled kernels, or None (logged once) if they cannot be built here."""
-    from torch.utils.cpp_extension import load as build
+    from torch.utils.cpp_extension import _get_build_directory, load as build
 
-    logger.info("loading the C++ CPU kernels (compiled on a machine's first run, which takes a while)")
     # torch runs the first `ninja` on PATH. Ours (installed beside this interpreter) goes first, so every
     # process uses one version: another version discards the build log and rebuilds everything (~1 min).
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + path
+    name = build_name()
     try:
-        with _exclusive_build("tinyserve_cpu_kernels"):
-            return build(name="tinyserve_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS, verbose=False)
+        with _exclusive_build(name):
+            build_dir = Path(_get_build_directory(name, verbose=False))
+            if (build_dir / f"{name}.so").exists():
+                logger.debug("loading the C++ CPU kernels from %s", build_dir)
+            else:
+                logger.info("compiling the C++ CPU kernels for this machine into %s (once; a few minutes)", build_dir)
+            return build(name=name, sources=_staged_sources(build_dir), extra_cflags=_CFLAGS, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         # no compiler, no ninja, a failed build or load: the torch-op path still works
         logger.warning("C++ CPU kernels unavailable, using torch ops (slower): %s", error)
@@ -142,3 +171,8 @@ def f32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: -inf on logits[rows[i], t] wherever bit t of bitmask[i] is 0 (32 tokens per int32 word)."""
     _named("tinyserve::apply_token_bitmask", load().apply_token_bitmask, logits, bitmask, rows)
+
+
+if __name__ == "__main__":  # `make setup`: build (or find) the kernels now rather than at the first start
+    logging.basicConfig(level="INFO", format="%(message)s")
+    sys.exit(0 if load() is not None else 1)
