@@ -33,6 +33,7 @@ from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenize
 from tinyserve.engine.memory import kv_bytes_per_token, resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
+from tinyserve.engine.recent_activity import RecentActivity, StepRecord
 from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
@@ -112,6 +113,7 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its unfinished samples' group
         self.num_steps = 0
         self.num_failed_requests = 0
+        self.activity = RecentActivity()  # recent steps and finishes, for the server's live view
         self._num_consecutive_failed_steps = 0
 
     # requests in
@@ -210,9 +212,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> detokenize -> release -> outputs, in step order."""
+        start = time.perf_counter()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        # read before update moves num_computed_tokens: a chunk starting inside its prompt is prefill
+        num_prefill = sum(n for request, n in plan.scheduled
+                          if request.num_computed_tokens < request.num_prompt_tokens)
         try:
             result = self._execute(plan)
         except AssertionError:
@@ -225,7 +231,9 @@ class LLMEngine:
         # (request, why it ended or None, its text delta or None when it got no token to show, new tokens)
         ends: list[tuple[Request, FinishReason | None, str | None, int]] = [
             (request, FinishReason.LENGTH, None, 0) for request in plan.outgrown]
+        num_generated = 0
         for request, reason, num_new in self.scheduler.update(plan, result.sampled):
+            num_generated += num_new
             if request.matcher is not None and reason is not FinishReason.ERROR:
                 assert num_new <= 1, "a constrained request never proposes"
                 reason = self._advance_matcher(request, reason)
@@ -236,6 +244,10 @@ class LLMEngine:
                 self._release(request, reason)
             logprobs = result.logprobs.get(request)
             outputs.append(self._output_of(request, text, num_new, logprobs[:num_new] if logprobs else None))
+        if plan.scheduled:
+            end = time.perf_counter()
+            self.activity.record_step(StepRecord(time.monotonic(), end - start, len(plan.scheduled), num_prefill,
+                                                 plan.num_batched_tokens - num_prefill, num_generated))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
@@ -295,6 +307,8 @@ class LLMEngine:
             self.proposer.release(request)
         request.finish_reason = reason
         request.finished_time = time.monotonic()
+        self.activity.record_finish(request.arrival_time, request.first_token_time, request.finished_time,
+                                    request.num_output_tokens)
         request.generator = None
         request.matcher = None
         if reason is FinishReason.ERROR:
