@@ -377,5 +377,6 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests,
             num_paused=self.scheduler.num_paused,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
             spec_decode=self.proposer.stats.copy() if self.proposer is not None else None,
         )
