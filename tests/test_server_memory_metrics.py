@@ -91,3 +91,22 @@ def test_metrics_answer_while_the_model_loads(smollm2_loaded):
     finally:
         may_load.set()
         srv.stop()
+
+
+def _boom():
+    raise AssertionError("simulated broken invariant")
+
+
+def test_engine_alive_drops_to_zero_when_the_engine_dies(smollm2_loaded):
+    """What the TinyserveEngineDead alert reads: 1 while the engine steps, 0 once a step raised."""
+    srv = start_default_model_server(smollm2_loaded)
+    try:
+        alive = f'tinyserve:engine_alive{{model_name="{MODEL}"}}'
+        assert _series(httpx.get(srv.base_url + "/metrics").text)[alive] == 1
+        srv.state.engine.engine.step = _boom
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code >= 500
+        assert _series(httpx.get(srv.base_url + "/metrics").text)[alive] == 0
+        assert httpx.get(srv.base_url + "/engine/stats").json()["models"][0]["is_alive"] is False
+    finally:
+        srv.stop()
