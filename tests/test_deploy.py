@@ -26,6 +26,7 @@ RULES = DEPLOY / "prometheus" / "alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 K8S = DEPLOY / "k8s" / "tinyserve.yaml"
+COMPOSE = DEPLOY / "docker-compose.yml"
 ABORT_GRACE_S, ENGINE_JOIN_TIMEOUT_S = 2.0, 5.0  # what tinyserve takes after --shutdown-timeout (server/model_slot.py)
 DASHBOARD = DEPLOY / "grafana" / "tinyserve.json"
 CUDA_ONLY = {"tinyserve:device_memory_allocated_bytes", "tinyserve:device_memory_reserved_bytes",
@@ -82,6 +83,21 @@ def test_k8s_probes_and_grace_period_cover_the_drain():
     liveness = container["livenessProbe"]
     # a draining server says 503: liveness must not kill it before the drain ends
     assert liveness["periodSeconds"] * liveness["failureThreshold"] > shutdown_timeout
+
+
+def test_compose_grace_period_covers_the_drain_and_prometheus_scrapes_its_service():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    service = compose["services"]["tinyserve"]
+    args = service["command"]
+    shutdown_timeout = float(args[args.index("--shutdown-timeout") + 1])
+    grace = float(service["stop_grace_period"].removesuffix("s"))
+    assert shutdown_timeout + ABORT_GRACE_S + ENGINE_JOIN_TIMEOUT_S <= grace <= shutdown_timeout + 20
+    assert "/health" in " ".join(service["healthcheck"]["test"])
+    scrape = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"][0]
+    assert scrape["job_name"] == "tinyserve" and scrape["static_configs"][0]["targets"] == ["tinyserve:8000"]
+    mounts = " ".join(compose["services"]["prometheus"]["volumes"] + compose["services"]["grafana"]["volumes"])
+    for path in ("prometheus/prometheus.yml", "prometheus/alerts.yml", "grafana/tinyserve.json", "grafana/provisioning"):
+        assert f"./{path}:" in mounts and (DEPLOY / path).exists(), path
 
 
 def test_each_alert_fires_on_its_hot_series_and_not_on_its_calm_one(tmp_path):
