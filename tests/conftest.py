@@ -125,18 +125,24 @@ class EngineSpy:
         return engine
 
 
-@pytest.fixture(scope="module")
-def spied_server(smollm2_loaded):
-    """(a live server on the default model, float32, no warm-up; the EngineSpy on its engine), one per module."""
+def start_default_model_server(loaded, wrap=lambda engine: engine, **server_fields):
+    """A started live server on the default model (`loaded`), float32, no warm-up, 2,048-token context;
+    `wrap(engine)` may instrument its LLMEngine."""
     from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from tinyserve.engine.llm_engine import LLMEngine
     from tinyserve.server.launcher import BackgroundServer
 
-    spy = EngineSpy()
     engine = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),
                           scheduler=SchedulerConfig(max_model_len=2048))
-    srv = BackgroundServer(engine, ServerConfig(port=0, warmup=False),
-                           lambda cfg: spy.wrap(LLMEngine(cfg, loaded=smollm2_loaded))).start()
+    return BackgroundServer(engine, ServerConfig(port=0, warmup=False, **server_fields),
+                            lambda cfg: wrap(LLMEngine(cfg, loaded=loaded))).start()
+
+
+@pytest.fixture(scope="module")
+def spied_server(smollm2_loaded):
+    """(a live server on the default model, float32, no warm-up; the EngineSpy on its engine), one per module."""
+    spy = EngineSpy()
+    srv = start_default_model_server(smollm2_loaded, spy.wrap)
     yield srv, spy
     srv.stop()
 

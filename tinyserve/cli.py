@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, DatasetConfig, OfflineBenchConfig,
-                                    ServeBenchConfig, SweepConfig)
+from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, PERCENTILE_METRICS, DatasetConfig,
+                                    OfflineBenchConfig, ServeBenchConfig, SweepConfig)
 from tinyserve.config import (DEFAULT_MODEL, DTYPES, GENERATION_CONFIG_SOURCES, LLAMA_CPP_SAMPLING_DEFAULTS,
                               QUANTIZATIONS, SAMPLING_DEFAULT_FIELDS, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
                               SchedulerConfig, ServerConfig, SpeculativeConfig)
@@ -181,17 +181,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", default=DatasetConfig.name, choices=DATASET_NAMES)
+    # the second name of a flag is vLLM's (`vllm bench serve`), so its command lines run unchanged
+    g.add_argument("--dataset", "--dataset-name", default=DatasetConfig.name, choices=DATASET_NAMES,
+                   type=lambda s: s.replace("_", "-"))  # vLLM spells prefix_repetition
     g.add_argument("--dataset-path", default=DatasetConfig.path, help="sharegpt: a JSON list of conversations")
     g.add_argument("--num-prompts", type=int, default=DatasetConfig.num_prompts)
-    g.add_argument("--input-len", type=int, default=DatasetConfig.input_len,
+    g.add_argument("--input-len", "--random-input-len", type=int, default=DatasetConfig.input_len,
                    help="tokens of the random part (random) or of each suffix (prefix-repetition)")
-    g.add_argument("--output-len", type=int, default=DatasetConfig.output_len,
+    g.add_argument("--output-len", "--random-output-len", type=int, default=DatasetConfig.output_len,
                    help=f"max_tokens per request (default {DEFAULT_OUTPUT_LEN}; sharegpt: the recorded reply's "
                         "length)")
-    g.add_argument("--range-ratio", type=float, default=DatasetConfig.range_ratio,
+    g.add_argument("--range-ratio", "--random-range-ratio", type=float, default=DatasetConfig.range_ratio,
                    help="lengths vary in [len*(1-r), len*(1+r)]")
-    g.add_argument("--prefix-len", type=int, default=DatasetConfig.prefix_len,
+    g.add_argument("--prefix-len", "--random-prefix-len", type=int, default=DatasetConfig.prefix_len,
                    help="tokens of the shared prefix (of each prefix)")
     g.add_argument("--num-prefixes", type=int, default=DatasetConfig.num_prefixes,
                    help="prefix-repetition: distinct prefixes")
@@ -215,11 +217,22 @@ def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
                    help="JSON merged into every request")
     c.add_argument("--timeout", type=float, default=ServeBenchConfig.timeout_s, help="seconds per request read")
     c.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--no-progress", "--disable-tqdm", action="store_true")
     c.add_argument("--result-file", type=Path, default=None, help="JSON result (default: bench-results/)")
+    c.add_argument("--result-dir", type=Path, default=None, help="folder of the default result file (vLLM's)")
+    c.add_argument("--save-result", action="store_true", help="accepted for vLLM: the result is always saved")
+    c.add_argument("--backend", default=None, help="accepted for vLLM and ignored: the endpoint says what to call")
+    c.add_argument("--percentile-metrics", type=_csv(str), default=PERCENTILE_METRICS, metavar="ttft,tpot,itl,e2el",
+                   help="the metrics whose percentiles the summary shows (vLLM's)")
+    c.add_argument("--metric-percentiles", type=_csv(float), default=(), metavar="50,95,99",
+                   help="the percentiles shown (and p<q>_<metric>_ms in the JSON line); default median, P90, P99")
     c.add_argument("--plot", nargs="?", const="auto", default=None, metavar="PNG",
                    help="write a PNG (default: next to the result file); needs matplotlib")
     c.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+
+
+def _csv(item_type):
+    return lambda text: tuple(item_type(item) for item in text.split(",") if item.strip())
 
 
 def _serve_bench_config(args: argparse.Namespace, base_url: str) -> ServeBenchConfig:
@@ -243,22 +256,26 @@ def _serve_bench_config(args: argparse.Namespace, base_url: str) -> ServeBenchCo
         burstiness=args.burstiness, seed=args.seed, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
         temperature=args.temperature, extra_body=args.extra_body, api_key=os.environ.get("OPENAI_API_KEY"),
         timeout_s=args.timeout, goodput_slos_ms=slos, show_progress=not args.no_progress,
+        percentile_metrics=args.percentile_metrics, metric_percentiles=args.metric_percentiles,
     )
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from tinyserve.bench.commands import bench_serve
+    from tinyserve.bench.commands import bench_serve, default_result_file
 
-    return bench_serve(_serve_bench_config(args, args.base_url), args.result_file, args.plot)
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    result_file = args.result_file or (args.result_dir and default_result_file("serve", args.result_dir))
+    return bench_serve(_serve_bench_config(args, base_url), result_file, args.plot)
 
 
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
-    from tinyserve.bench.commands import bench_sweep
+    from tinyserve.bench.commands import bench_sweep, default_result_file
 
     urls = args.base_url or [ServeBenchConfig.base_url]
     targets = tuple((u.partition("=")[0], u.partition("=")[2]) if "=" in u else (u, u) for u in urls)
     config = SweepConfig(_serve_bench_config(args, targets[0][1]), targets, tuple(args.concurrency), args.num_runs)
-    return bench_sweep(config, args.result_file, args.plot)
+    result_file = args.result_file or (args.result_dir and default_result_file("sweep", args.result_dir))
+    return bench_sweep(config, result_file, args.plot)
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
@@ -278,7 +295,9 @@ def _add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark a server (serve, sweep) or the engine alone (offline)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     serve = kinds.add_parser("serve", help="load-test any OpenAI-compatible server with streamed requests")
-    serve.add_argument("--base-url", default=ServeBenchConfig.base_url)
+    serve.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    serve.add_argument("--host", default="127.0.0.1", help="with --port, the server when --base-url is not given")
+    serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-concurrency", type=int, default=ServeBenchConfig.max_concurrency)
     _bench_workload_args(serve)
     serve.set_defaults(func=cmd_bench_serve)

@@ -30,8 +30,8 @@ def _reports_errors(command):
     return wrapper
 
 
-def default_result_file(kind: str) -> Path:
-    return DEFAULT_RESULT_DIR / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+def default_result_file(kind: str, directory: Path = DEFAULT_RESULT_DIR) -> Path:
+    return directory / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def _plot_path(plot: str | None, result_file: Path) -> Path | None:
@@ -80,7 +80,8 @@ def bench_serve(config: ServeBenchConfig, result_file: Path | None = None, plot:
     run = run_serve(config, requests, tokenizer)
     print(serve_summary(run.metrics, model=run.model, base_url=config.base_url,
                         max_concurrency=config.max_concurrency, request_rate=config.request_rate,
-                        client_cpu_s=run.client_cpu_s, client_cpu_share=run.client_cpu_share))
+                        client_cpu_s=run.client_cpu_s, client_cpu_share=run.client_cpu_share,
+                        percentile_metrics=config.percentile_metrics))
     _warn_if_client_bound(run.client_cpu_share)
     record = run_record(run)
     _write_json(record, result_file)

@@ -14,6 +14,7 @@ from tinyserve.config import DEFAULT_MODEL, CacheConfig, DType, EngineConfig, Qu
 DatasetName = Literal["random", "prefix-repetition", "sharegpt", "copy"]
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
 SLO_KEYS = ("ttft", "tpot", "e2el")  # goodput service-level objectives, in milliseconds
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics names
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 DEFAULT_OUTPUT_LEN = 128  # max_tokens of synthetic requests when DatasetConfig.output_len is unset
 
@@ -86,6 +87,10 @@ class ServeBenchConfig:
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)  # e.g. {"ttft": 500, "tpot": 50}
     include_usage: bool = True  # ask for stream_options.include_usage
     show_progress: bool = True
+    # vLLM's --percentile-metrics / --metric-percentiles: the summary shows these percentiles of these
+    # metrics (and the JSON line p<q>_<metric>_ms); () keeps the standard median, P90 and P99 of all four
+    percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
+    metric_percentiles: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -102,6 +107,12 @@ class ServeBenchConfig:
             if key not in SLO_KEYS:
                 raise ValueError(f"goodput keys must be among {', '.join(SLO_KEYS)}, got {key!r}")
             _positive(f"goodput {key}", value)
+        for name in self.percentile_metrics:
+            if name not in PERCENTILE_METRICS:
+                raise ValueError(f"percentile_metrics must be among {', '.join(PERCENTILE_METRICS)}, got {name!r}")
+        for q in self.metric_percentiles:
+            if not 0 < q <= 100:
+                raise ValueError(f"metric_percentiles must be in (0, 100], got {q:g}")
 
     @property
     def is_chat(self) -> bool:

@@ -68,14 +68,23 @@ class Distribution:
     p90: float
     p99: float
     max: float
+    # the percentiles asked for (ServeBenchConfig.metric_percentiles): "p95" -> ms
+    percentiles: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of_seconds(cls, values: list[float]) -> Distribution:
+    def of_seconds(cls, values: list[float], percentiles: tuple[float, ...] = ()) -> Distribution:
         if not values:
-            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, {percentile_key(q): 0.0 for q in percentiles})
         ms = np.asarray(values, dtype=np.float64) * 1000.0
         p50, p90, p99 = np.percentile(ms, [50, 90, 99])  # linear interpolation, as numpy and vLLM
-        return cls(len(ms), float(ms.mean()), float(ms.std()), float(p50), float(p90), float(p99), float(ms.max()))
+        asked = {percentile_key(q): float(np.percentile(ms, q)) for q in percentiles}
+        return cls(len(ms), float(ms.mean()), float(ms.std()), float(p50), float(p90), float(p99), float(ms.max()),
+                   asked)
+
+
+def percentile_key(q: float) -> str:
+    """vLLM's name of a percentile: 95 -> "p95", 99.9 -> "p99.9"."""
+    return f"p{q:g}"
 
 
 @dataclass(frozen=True)
@@ -123,7 +132,7 @@ def max_concurrency(results: list[RequestResult]) -> int:
 
 
 def compute_metrics(results: list[RequestResult], duration_s: float,
-                    slos_ms: dict[str, float] | None = None) -> ServeMetrics:
+                    slos_ms: dict[str, float] | None = None, percentiles: tuple[float, ...] = ()) -> ServeMetrics:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.num_output_tokens for r in ok)
@@ -143,10 +152,10 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
         total_token_throughput=(total_in + total_out) / duration_s,
         goodput=goodput,
         max_concurrent_requests=max_concurrency(results),
-        ttft_ms=Distribution.of_seconds([r.ttft for r in ok if r.ttft is not None]),
-        tpot_ms=Distribution.of_seconds(tpots),
-        itl_ms=Distribution.of_seconds([gap for r in ok for gap in r.itls]),
-        e2el_ms=Distribution.of_seconds([r.latency for r in ok]),
+        ttft_ms=Distribution.of_seconds([r.ttft for r in ok if r.ttft is not None], percentiles),
+        tpot_ms=Distribution.of_seconds(tpots, percentiles),
+        itl_ms=Distribution.of_seconds([gap for r in ok for gap in r.itls], percentiles),
+        e2el_ms=Distribution.of_seconds([r.latency for r in ok], percentiles),
     )
 
 

@@ -103,7 +103,7 @@ async def run_serve_async(config: ServeBenchConfig, requests: list[SampleRequest
             progress.close()
         spec_decode = _spec_decode_over_run(before, await client.spec_decode_counters())
     count_output_tokens(results, tokenizer)
-    metrics = compute_metrics(results, duration, config.goodput_slos_ms)
+    metrics = compute_metrics(results, duration, config.goodput_slos_ms, config.metric_percentiles)
     return ServeRun(config, model, results, start, duration, cpu, metrics, spec_decode)
 
 
@@ -177,6 +177,8 @@ def summary_line(run: ServeRun) -> dict:
         "itl_median_ms": round(m.itl_ms.median, 2), "e2el_median_ms": round(m.e2el_ms.median, 2),
         "goodput": None if m.goodput is None else round(m.goodput, 3),
         "client_cpu_share": round(run.client_cpu_share, 4),
+        **{f"{key}_{name}_ms": round(value, 2) for name in run.config.percentile_metrics
+           for key, value in getattr(m, f"{name}_ms").percentiles.items()},
         **({} if run.spec_decode is None else {
             "spec_acceptance_rate": round(run.spec_decode["acceptance_rate"], 4),
             "spec_mean_accepted_length": round(run.spec_decode["mean_accepted_length"], 3)}),

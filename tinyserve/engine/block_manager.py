@@ -67,6 +67,11 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a prefix-cache hash, held or free (a free one is reused until it is evicted)."""
+        return len(self._hash_to_block)
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 

@@ -33,6 +33,7 @@ from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenize
 from tinyserve.engine.memory import kv_bytes_per_token, resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
+from tinyserve.engine.recent_activity import RecentActivity, StepRecord
 from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
@@ -114,6 +115,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_failed_requests = 0
+        self.activity = RecentActivity()  # recent steps and finishes, for the server's live view
         self._num_consecutive_failed_steps = 0
 
     # requests in
@@ -213,9 +215,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> detokenize -> release -> outputs, in step order."""
+        start = time.perf_counter()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        # read before update moves num_computed_tokens: a request with more than its newest token left to
+        # compute is in its prompt (or recomputing after a preemption); the rest are decodes
+        num_prefill = sum(n for request, n in plan.scheduled if request.num_tokens - request.num_computed_tokens > 1)
+        self.num_prefill_tokens += num_prefill
         try:
             result = self._execute(plan)
         except AssertionError:
@@ -228,7 +235,9 @@ class LLMEngine:
         # (request, why it ended or None, its text delta or None when it got no token to show, new tokens)
         ends: list[tuple[Request, FinishReason | None, str | None, int]] = [
             (request, FinishReason.LENGTH, None, 0) for request in plan.outgrown]
+        num_generated = 0
         for request, reason, num_new in self.scheduler.update(plan, result.sampled):
+            num_generated += num_new
             if request.matcher is not None and reason is not FinishReason.ERROR:
                 assert num_new <= 1, "a constrained request never proposes"
                 reason = self._advance_matcher(request, reason)
@@ -239,14 +248,16 @@ class LLMEngine:
                 self._release(request, reason)
             logprobs = result.logprobs.get(request)
             outputs.append(self._output_of(request, text, num_new, logprobs[:num_new] if logprobs else None))
+        if plan.scheduled:
+            end = time.perf_counter()
+            self.activity.record_step(StepRecord(time.monotonic(), end - start, len(plan.scheduled), num_prefill,
+                                                 plan.num_batched_tokens - num_prefill, num_generated))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         """The batch stage: one forward pass and one sample over every scheduled request."""
         if plan.is_empty:
             return StepResult({}, {})
-        # before the update: a request with more than its newest token left to compute is in its prompt
-        self.num_prefill_tokens += sum(n for r, n in plan.scheduled if r.num_tokens - r.num_computed_tokens > 1)
         result = self.runner.execute(plan.scheduled)
         self.num_steps += 1
         for request, scored in result.prompt_logprobs.items():
@@ -300,6 +311,8 @@ class LLMEngine:
             self.proposer.release(request)
         request.finish_reason = reason
         request.finished_time = time.monotonic()
+        self.activity.record_finish(request.arrival_time, request.first_token_time, request.finished_time,
+                                    request.num_output_tokens)
         request.generator = None
         request.matcher = None
         if reason is FinishReason.ERROR:
@@ -369,5 +382,6 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             num_paused=self.scheduler.num_paused,
             num_prefill_tokens=self.num_prefill_tokens,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
             spec_decode=self.proposer.stats.copy() if self.proposer is not None else None,
         )

@@ -21,6 +21,7 @@ class EngineStats:
     num_failed_requests: int = 0  # finished with FinishReason.ERROR since start-up
     num_paused: int = 0  # set aside until their slow reader catches up; not in num_waiting
     num_prefill_tokens: int = 0  # computed in prompt chunks (recomputes included, prefix-cache hits not)
+    num_cached_blocks: int = 0  # blocks holding a prefix-cache hash (held or free)
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: a copy of its counters
 
 

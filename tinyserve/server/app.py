@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import tinyserve
 from tinyserve.config import EngineConfig, ServerConfig
-from tinyserve.server import admin, chat, completions, routes
+from tinyserve.server import admin, chat, completions, engine_view, routes, web
 from tinyserve.server.errors import install_error_handlers
 from tinyserve.server.middleware import RequestContextMiddleware
 from tinyserve.server.state import ServerState
@@ -36,7 +36,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
-    for router in (completions.router, chat.router, routes.api, admin.router, routes.public):
+    for router in (completions.router, chat.router, routes.api, admin.router, routes.public, engine_view.router,
+                   web.router):
         app.include_router(router)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],

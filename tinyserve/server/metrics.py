@@ -13,6 +13,7 @@ are counted once, on sample 0.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +21,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tinyserve.engine.stats import EngineStats, LoopStats, SpecDecodeStats
 from tinyserve.types import RequestOutput
+
+if TYPE_CHECKING:  # server/memory_stats.py imports the model slots, which import this module
+    from tinyserve.server.memory_stats import MemorySnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -105,14 +109,65 @@ def _spec_decode_counters(models: list[tuple[str, SpecDecodeStats]]) -> Iterator
     yield per_position
 
 
+class _MemoryCollector:
+    """Memory series from a MemorySnapshot (server/memory_stats.py) taken at each scrape; the process's
+    series have no model_name (one process holds every model)."""
+
+    def __init__(self, get_memory: Callable[[], MemorySnapshot]):
+        self.get_memory = get_memory
+
+    def collect(self) -> Iterator[Metric]:
+        memory = self.get_memory()
+        for name, doc, value in (
+            ("process_resident_memory_bytes", "Resident set of the server process.", memory.process_rss_bytes),
+            ("memory_limit_bytes", "Memory the process may use: its cgroup limit, else the machine's.",
+             memory.memory_limit_bytes),
+        ):
+            if value is not None:
+                yield GaugeMetricFamily(f"tinyserve:{name}", doc, value=value)
+        for name, doc, read in (
+            ("device_memory_allocated_bytes", "CUDA memory held by tensors.", lambda d: d.allocated_bytes),
+            ("device_memory_reserved_bytes", "CUDA memory held by torch's caching allocator.",
+             lambda d: d.reserved_bytes),
+            ("device_memory_total_bytes", "CUDA device memory.", lambda d: d.total_bytes),
+        ):
+            if memory.devices:
+                gauge = GaugeMetricFamily(f"tinyserve:{name}", doc, labels=["device"])
+                for device in memory.devices:
+                    gauge.add_metric([device.device], read(device))
+                yield gauge
+        if not memory.models:
+            return
+        for name, doc, read in (
+            ("model_weight_bytes", "Bytes of the model's weights (a draft model's included).",
+             lambda m: m.weight_bytes),
+            ("kv_cache_bytes", "Bytes of the KV pool.", lambda m: m.kv_bytes),
+            ("kv_cache_cached_blocks", "KV blocks holding a prefix-cache hash (used or free).",
+             lambda m: m.num_cached_blocks),
+            ("engine_alive", "1 while the model's engine steps, 0 once it died or stopped.", lambda m: int(m.is_alive)),
+        ):
+            gauge = GaugeMetricFamily(f"tinyserve:{name}", doc, labels=["model_name"])
+            for model in memory.models:
+                gauge.add_metric([model.model_name], read(model))
+            yield gauge
+        blocks = GaugeMetricFamily("tinyserve:kv_cache_blocks", "KV blocks by state: used (held by requests) or "
+                                   "free (cached ones included).", labels=["model_name", "state"])
+        for model in memory.models:
+            blocks.add_metric([model.model_name, "used"], model.num_used_blocks)
+            blocks.add_metric([model.model_name, "free"], model.num_free_blocks)
+        yield blocks
+
+
 class MetricSet:
     """Every metric of one app, each with a `model_name` label; `for_model` binds one model's series.
     Token histograms share one bucket ladder (up to MAX_TOKEN_BUCKET), since the models' contexts differ."""
 
     def __init__(self, get_models: Callable[[], list[tuple[str, EngineStats | None, LoopStats | None]]] = list,
-                 max_token_bucket: int = MAX_TOKEN_BUCKET):
+                 max_token_bucket: int = MAX_TOKEN_BUCKET, get_memory: Callable[[], MemorySnapshot] | None = None):
         self.registry = reg = CollectorRegistry()
         reg.register(_EngineStatsCollector(get_models))
+        if get_memory is not None:
+            reg.register(_MemoryCollector(get_memory))
         label = ["model_name"]
         tokens = _token_buckets(max_token_bucket)
         self.histograms = {name: Histogram(f"tinyserve:{name}", doc, label, registry=reg, buckets=buckets)

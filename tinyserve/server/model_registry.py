@@ -25,6 +25,7 @@ from pathlib import Path
 from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.errors import APIError, NotFound, ServiceUnavailable
+from tinyserve.server.memory_stats import memory_snapshot
 from tinyserve.server.metrics import MetricSet
 from tinyserve.server.model_slot import LoadedModel, ModelSlot
 
@@ -65,7 +66,7 @@ class ModelRegistry:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig,
                  engine_factory: Callable[[EngineConfig], object] | None = None):
         self.engine_config, self.config = engine_config, config
-        self.metric_set = MetricSet(self._loaded_stats)
+        self.metric_set = MetricSet(self._loaded_stats, get_memory=lambda: memory_snapshot(self.slots))
         self._engine_factory = engine_factory
         self._step_loop: StepLoop | None = None  # started with the first load
         self.slots: list[ModelSlot] = []

@@ -16,12 +16,16 @@ def _row(name: str, value) -> str:
 
 
 def _distribution_rows(name: str, d: Distribution) -> list[str]:
-    return [_row(f"{stat} {name} (ms):", getattr(d, attr))
-            for stat, attr in (("Mean", "mean"), ("Median", "median"), ("P90", "p90"), ("P99", "p99"))]
+    """Mean and median, then the percentiles asked for (vLLM's --metric-percentiles), else P90 and P99."""
+    rows = [_row(f"Mean {name} (ms):", d.mean), _row(f"Median {name} (ms):", d.median)]
+    if d.percentiles:
+        return rows + [_row(f"{key.upper()} {name} (ms):", value) for key, value in d.percentiles.items()]
+    return rows + [_row(f"P90 {name} (ms):", d.p90), _row(f"P99 {name} (ms):", d.p99)]
 
 
 def serve_summary(metrics: ServeMetrics, *, model: str, base_url: str, max_concurrency: int | None,
-                  request_rate: float, client_cpu_s: float, client_cpu_share: float) -> str:
+                  request_rate: float, client_cpu_s: float, client_cpu_share: float,
+                  percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")) -> str:
     m = metrics
     failures = ", ".join(f"{reason}: {n}" for reason, n in sorted(m.failures.items())) or "-"
     rate = "inf" if math.isinf(request_rate) else f"{request_rate:g}"
@@ -43,7 +47,8 @@ def serve_summary(metrics: ServeMetrics, *, model: str, base_url: str, max_concu
     for title, name, d in (("Time to first token", "TTFT", m.ttft_ms),
                            ("Time per output token (excl. 1st)", "TPOT", m.tpot_ms),
                            ("Inter-token latency", "ITL", m.itl_ms), ("End-to-end latency", "E2EL", m.e2el_ms)):
-        lines += [f" {title} ".center(WIDTH, "-"), *_distribution_rows(name, d)]
+        if name.lower() in percentile_metrics:
+            lines += [f" {title} ".center(WIDTH, "-"), *_distribution_rows(name, d)]
     lines += [" Load generator ".center(WIDTH, "-"),
               _row("Client CPU (s):", client_cpu_s),
               _row("Client CPU share (of one core):", f"{100 * client_cpu_share:.1f}%"),

@@ -1,0 +1,210 @@
+"""deploy/: the Prometheus alert rules (promtool check and unit tests) and scrape config, the Grafana
+dashboard, and that every metric either names is one a live server exports; a slow test runs a real
+Prometheus against a live server; the Kubernetes manifest's shutdown budget. promtool and prometheus are Debian's `prometheus` package (.ci/run installs it); without
+them those tests skip and say so."""
+
+import copy
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import start_default_model_server
+from tinyserve.engine.process_memory import DeviceMemory
+from tinyserve.server.memory_stats import MemorySnapshot
+from tinyserve.server.metrics import MetricSet
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+RULES = DEPLOY / "prometheus" / "alerts.yml"
+RULE_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+K8S = DEPLOY / "k8s" / "tinyserve.yaml"
+COMPOSE = DEPLOY / "docker-compose.yml"
+ABORT_GRACE_S, ENGINE_JOIN_TIMEOUT_S = 2.0, 5.0  # what tinyserve takes after --shutdown-timeout (server/model_slot.py)
+DASHBOARD = DEPLOY / "grafana" / "tinyserve.json"
+CUDA_ONLY = {"tinyserve:device_memory_allocated_bytes", "tinyserve:device_memory_reserved_bytes",
+             "tinyserve:device_memory_total_bytes"}
+_NAME = re.compile(r"\btinyserve:[A-Za-z0-9_:]+")
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (Debian package prometheus: apt-get install prometheus; .ci/run does)")
+    return path
+
+
+def _rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return exprs
+
+
+def test_alert_rules_pass_promtool_check():
+    result = subprocess.run([_tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
+
+
+def test_prometheus_config_passes_promtool_check():
+    result = subprocess.run([_tool("promtool"), "check", "config", str(PROMETHEUS_CONFIG)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is valid prometheus config file syntax" in result.stdout and "SUCCESS: 11 rules found" in result.stdout
+
+
+def test_k8s_probes_and_grace_period_cover_the_drain():
+    from tinyserve.server import model_slot
+
+    assert (model_slot.ABORT_GRACE_S, model_slot.ENGINE_JOIN_TIMEOUT_S) == (ABORT_GRACE_S, ENGINE_JOIN_TIMEOUT_S)
+    deployment = next(d for d in yaml.safe_load_all(K8S.read_text()) if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    shutdown_timeout = float(args[args.index("--shutdown-timeout") + 1])
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    needed = float(pre_stop[1]) + shutdown_timeout + ABORT_GRACE_S + ENGINE_JOIN_TIMEOUT_S
+    assert needed <= pod["terminationGracePeriodSeconds"] <= needed + 10
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health", probe
+    liveness = container["livenessProbe"]
+    # a draining server says 503: liveness must not kill it before the drain ends
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > shutdown_timeout
+
+
+def test_compose_grace_period_covers_the_drain_and_prometheus_scrapes_its_service():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    service = compose["services"]["tinyserve"]
+    args = service["command"]
+    shutdown_timeout = float(args[args.index("--shutdown-timeout") + 1])
+    grace = float(service["stop_grace_period"].removesuffix("s"))
+    assert shutdown_timeout + ABORT_GRACE_S + ENGINE_JOIN_TIMEOUT_S <= grace <= shutdown_timeout + 20
+    assert "/health" in " ".join(service["healthcheck"]["test"])
+    scrape = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"][0]
+    assert scrape["job_name"] == "tinyserve" and scrape["static_configs"][0]["targets"] == ["tinyserve:8000"]
+    mounts = " ".join(compose["services"]["prometheus"]["volumes"] + compose["services"]["grafana"]["volumes"])
+    for path in ("prometheus/prometheus.yml", "prometheus/alerts.yml", "grafana/tinyserve.json", "grafana/provisioning"):
+        assert f"./{path}:" in mounts and (DEPLOY / path).exists(), path
+
+
+def test_each_alert_fires_on_its_hot_series_and_not_on_its_calm_one(tmp_path):
+    promtool = _tool("promtool")
+    tests = yaml.safe_load(RULE_TESTS.read_text())
+    tested = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"] if case["exp_alerts"]}
+    assert tested == {rule["alert"] for rule in _rules()}, "every alert needs a firing case"
+    shutil.copy(RULES, tmp_path / RULES.name)
+
+    def run(doc) -> subprocess.CompletedProcess:
+        path = tmp_path / "case.yml"
+        path.write_text(yaml.safe_dump(doc))
+        return subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, cwd=tmp_path)
+
+    result = run(tests)
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+    # the same tests with each calm series given its hot twin's values: now the alert also fires on
+    # the calm one, which the test does not expect, so promtool must fail it (each test in turn)
+    for i, test in enumerate(tests["tests"]):
+        hot = {s["series"]: s["values"] for s in test["input_series"] if "hot" in s["series"]}
+        planted = copy.deepcopy(tests)
+        planted["tests"] = [copy.deepcopy(test)]
+        for series in planted["tests"][0]["input_series"]:
+            twin = series["series"].replace("calm", "hot")
+            if "calm" in series["series"] and twin in hot:
+                series["values"] = hot[twin]
+        result = run(planted)
+        alert = test["alert_rule_test"][0]["alertname"]
+        assert result.returncode != 0 and "calm" in result.stdout + result.stderr, f"{alert}: {result.stdout}"
+
+
+def test_dashboard_is_grafana_json_over_our_series():
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = [p["title"] for p in dashboard["panels"]]
+    assert len(set(titles)) == len(titles) and len({p["id"] for p in dashboard["panels"]}) == len(titles)
+    exprs = " ".join(_dashboard_exprs())
+    for quantile in ("0.5", "0.95", "0.99"):
+        for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+            assert f"histogram_quantile({quantile}, sum by (model_name, le) (rate(tinyserve:{metric}_bucket" in exprs
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_loaded):
+    srv = start_default_model_server(smollm2_loaded, max_queue=2)
+    yield srv
+    srv.stop()
+
+
+def _exported_names(base_url: str) -> set[str]:
+    """Series names of a scrape after one finished request and one rejected (labelled series appear then)."""
+    ok = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    assert ok.status_code == 200
+    refused = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "n": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "too_many_samples"
+    text = httpx.get(base_url + "/metrics").text
+    return {m.group(1) for m in re.finditer(r"^(tinyserve:[A-Za-z0-9_:]+)[{ ]", text, re.M)}
+
+
+def test_every_metric_in_the_dashboard_and_rules_is_exported(server):
+    exported = _exported_names(server.base_url)
+    used = {name for expr in _dashboard_exprs() + [rule["expr"] for rule in _rules()] for name in _NAME.findall(expr)}
+    assert len(used) > 25
+    missing = used - exported
+    assert missing <= CUDA_ONLY, f"not exported: {sorted(missing - CUDA_ONLY)}"
+    # the CUDA-only ones: exported when there is a device
+    device = DeviceMemory("cuda:0", allocated_bytes=1 << 30, reserved_bytes=2 << 30, total_bytes=80 << 30)
+    metric_set = MetricSet(get_memory=lambda: MemorySnapshot(1, 2, [device], []))
+    text = metric_set.render().decode()
+    for name in CUDA_ONLY:
+        assert f'{name}{{device="cuda:0"}}' in text, name
+    assert 'tinyserve:device_memory_total_bytes{device="cuda:0"} 8.589934592e+10' in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_a_live_server_and_answers_a_dashboard_query(server, tmp_path):
+    """Prometheus scrapes the server every second for ~30 s while requests run; the dashboard's
+    generated-tokens/s query (its $__rate_interval and $model filled in) then answers a positive number."""
+    prometheus = _tool("prometheus")
+    target = server.base_url.removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "tinyserve", "static_configs": [{"targets": [target]}]}]}))
+    port = _free_port()
+    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
+    try:
+        api = f"http://127.0.0.1:{port}/api/v1"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            httpx.post(server.base_url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 16})
+        (expr,) = [e for e in _dashboard_exprs() if e.startswith("sum by (model_name) (rate(tinyserve:generation")]
+        query = expr.replace("$__rate_interval", "20s").replace("$model", ".*")
+        result = httpx.get(f"{api}/query", params={"query": query}).json()
+        assert result["status"] == "success", result
+        (sample,) = result["data"]["result"]
+        assert sample["metric"] == {"model_name": "smollm2-135m"}
+        assert float(sample["value"][1]) > 0
+        up = httpx.get(f"{api}/query", params={"query": 'up{job="tinyserve"}'}).json()["data"]["result"]
+        assert [s["value"][1] for s in up] == ["1"]
+        print(f"\nPrometheus: generated tokens/s over 20 s = {float(sample['value'][1]):.1f}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
