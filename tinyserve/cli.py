@@ -336,7 +336,7 @@ def models_from_args(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tu
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     _, names, models = models_from_args(args)
     return ServerConfig(
-        host=args.host, port=args.port, served_model_names=names,
+        host=args.host, port=args.port, grpc_port=args.grpc_port, served_model_names=names,
         models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
         api_key=api_key_from(args), max_queue=args.max_queue,
@@ -365,6 +365,8 @@ def _add_serve_parser(sub) -> None:
     g = serve.add_argument_group("server")
     g.add_argument("--host", default=ServerConfig.host, help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=ServerConfig.port)
+    g.add_argument("--grpc-port", type=int, default=ServerConfig.grpc_port, metavar="PORT",
+                   help="also serve the gRPC API (README 'gRPC') on --host:PORT, 0 for any free port (default: off)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model); the first is reported")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
