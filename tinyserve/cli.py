@@ -196,6 +196,9 @@ def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=DatasetConfig.seed, help="dataset and arrival times")
     c = parser.add_argument_group("client")
     c.add_argument("--endpoint", default=ServeBenchConfig.endpoint, help="/v1/completions or /v1/chat/completions")
+    c.add_argument("--backend", choices=("http", "grpc"), default=ServeBenchConfig.backend,
+                   help="grpc: tinyserve's gRPC GenerateStream at --grpc-target (completions only)")
+    c.add_argument("--grpc-target", default=ServeBenchConfig.grpc_target, metavar="HOST:PORT")
     c.add_argument("--model", default=ServeBenchConfig.model,
                    help="model name sent (default: the first of GET /v1/models)")
     c.add_argument("--request-rate", type=float, default=ServeBenchConfig.request_rate,
@@ -233,7 +236,8 @@ def _serve_bench_config(args: argparse.Namespace, base_url: str) -> ServeBenchCo
         except ValueError:
             raise ValueError(f"--goodput takes KEY:MS pairs (ttft, tpot, e2el), got {item!r}") from None
     return ServeBenchConfig(
-        base_url=base_url, endpoint=args.endpoint, model=args.model, dataset=dataset,
+        base_url=base_url, endpoint=args.endpoint, backend=args.backend, grpc_target=args.grpc_target,
+        model=args.model, dataset=dataset,
         max_concurrency=getattr(args, "max_concurrency", None), request_rate=args.request_rate,
         burstiness=args.burstiness, seed=args.seed, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
         temperature=args.temperature, extra_body=args.extra_body, api_key=os.environ.get("OPENAI_API_KEY"),

@@ -55,9 +55,10 @@ class GrpcServer:
         """Raises RuntimeError when the port cannot be bound."""
         config = self.state.config
         # no SO_REUSEPORT: a second server on a port in use must fail, not share it; a message is capped
-        # as HTTP caps a body
+        # as HTTP caps a body, and calls as HTTP caps connections (beyond: RESOURCE_EXHAUSTED)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                          ("grpc.max_receive_message_length", config.max_body_bytes)])
+                                          ("grpc.max_receive_message_length", config.max_body_bytes)],
+                                 maximum_concurrent_rpcs=config.max_connections)
         tinyserve_pb2_grpc.add_TinyServeServicer_to_server(TinyServeService(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
