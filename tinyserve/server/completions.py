@@ -1,5 +1,6 @@
 """POST /v1/completions: prompt as a string, a list of strings, token ids, or a list of token id lists;
-with echo, each prompt's text (and its tokens' logprobs) comes before its choices' own (max_tokens 0: only it)."""
+with echo, each prompt's text (and its tokens' logprobs) comes before its choices' own (max_tokens 0: only it).
+`start_completion`, from a validated body to a queued request, is the gRPC API's too (server/grpc_service.py)."""
 
 from __future__ import annotations
 
