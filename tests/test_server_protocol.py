@@ -184,15 +184,33 @@ def test_metrics_from_outputs():
     metrics.on_step([RequestOutput("r", 0, "a", [5])], now=11.0)
     metrics.on_step([RequestOutput("r", 0, "b", [6], FinishReason.LENGTH, Usage(3, 2), metrics=timing)], now=11.25)
     value = metrics.registry.get_sample_value
-    labels = {"model_name": "m"}
-    assert value("tinyserve:generation_tokens_total", labels) == 2
-    assert value("tinyserve:prompt_tokens_total", labels) == 3
+    assert value("tinyserve:generation_tokens_total", {"model_name": "m"}) == 2
+    assert value("tinyserve:prompt_tokens_total", {"model_name": "m"}) == 3
+    labels = {"model_name": "m", "api": "http"}  # an untracked request came in by HTTP
     assert value("tinyserve:request_success_total", {**labels, "finished_reason": "length"}) == 1
     assert value("tinyserve:inter_token_latency_seconds_sum", labels) == 0.25
     assert value("tinyserve:time_to_first_token_seconds_sum", labels) == 1.0
     assert value("tinyserve:request_queue_time_seconds_sum", labels) == 0.5
     assert value("tinyserve:e2e_request_latency_seconds_sum", labels) == 2.0
     assert b"num_requests_running" not in metrics.render()  # no engine stats yet (loading)
+
+
+def test_metrics_count_a_tracked_request_under_its_api_until_its_last_sample():
+    metrics = ServerMetrics("m", 2048, lambda: None)
+    metrics.track_api("g", 2, "grpc")
+    timing = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=12.0)
+    metrics.on_step([RequestOutput("g", 0, "a", [5], FinishReason.LENGTH, Usage(3, 1), metrics=timing),
+                     RequestOutput("h", 0, "a", [5], FinishReason.STOP, Usage(3, 1), metrics=timing)], now=12.0)
+    assert metrics._api_of == {"g": ["grpc", 1]}  # one sample still to finish
+    metrics.on_step([RequestOutput("g", 1, "b", [6], FinishReason.ABORT, Usage(3, 1), metrics=timing)], now=12.5)
+    assert metrics._api_of == {}
+    value = metrics.registry.get_sample_value
+    grpc, http = {"model_name": "m", "api": "grpc"}, {"model_name": "m", "api": "http"}
+    assert value("tinyserve:request_success_total", {**grpc, "finished_reason": "length"}) == 1
+    assert value("tinyserve:request_success_total", {**grpc, "finished_reason": "abort"}) == 1
+    assert value("tinyserve:request_success_total", {**http, "finished_reason": "stop"}) == 1
+    assert value("tinyserve:time_to_first_token_seconds_count", grpc) == 2
+    assert value("tinyserve:time_to_first_token_seconds_count", http) == 1
 
 
 def test_token_buckets():

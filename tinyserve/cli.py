@@ -203,6 +203,9 @@ def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=DatasetConfig.seed, help="dataset and arrival times")
     c = parser.add_argument_group("client")
     c.add_argument("--endpoint", default=ServeBenchConfig.endpoint, help="/v1/completions or /v1/chat/completions")
+    c.add_argument("--backend", choices=("http", "grpc"), default=ServeBenchConfig.backend,
+                   help="grpc: tinyserve's gRPC GenerateStream at --grpc-target (completions only)")
+    c.add_argument("--grpc-target", default=ServeBenchConfig.grpc_target, metavar="HOST:PORT")
     c.add_argument("--model", default=ServeBenchConfig.model,
                    help="model name sent (default: the first of GET /v1/models)")
     c.add_argument("--request-rate", type=float, default=ServeBenchConfig.request_rate,
@@ -251,7 +254,8 @@ def _serve_bench_config(args: argparse.Namespace, base_url: str) -> ServeBenchCo
         except ValueError:
             raise ValueError(f"--goodput takes KEY:MS pairs (ttft, tpot, e2el), got {item!r}") from None
     return ServeBenchConfig(
-        base_url=base_url, endpoint=args.endpoint, model=args.model, dataset=dataset,
+        base_url=base_url, endpoint=args.endpoint, backend=args.backend, grpc_target=args.grpc_target,
+        model=args.model, dataset=dataset,
         max_concurrency=getattr(args, "max_concurrency", None), request_rate=args.request_rate,
         burstiness=args.burstiness, seed=args.seed, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
         temperature=args.temperature, extra_body=args.extra_body, api_key=os.environ.get("OPENAI_API_KEY"),
@@ -360,7 +364,7 @@ def models_from_args(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tu
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     _, names, models = models_from_args(args)
     return ServerConfig(
-        host=args.host, port=args.port, served_model_names=names,
+        host=args.host, port=args.port, grpc_port=args.grpc_port, served_model_names=names,
         models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
         api_key=api_key_from(args), max_queue=args.max_queue,
@@ -390,6 +394,8 @@ def _add_serve_parser(sub) -> None:
     g = serve.add_argument_group("server")
     g.add_argument("--host", default=ServerConfig.host, help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=ServerConfig.port)
+    g.add_argument("--grpc-port", type=int, default=ServerConfig.grpc_port, metavar="PORT",
+                   help="also serve the gRPC API (README 'gRPC') on --host:PORT, 0 for any free port (default: off)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model); the first is reported")
     g.add_argument("--api-key-file", default=None, metavar="PATH",

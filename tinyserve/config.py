@@ -327,6 +327,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
+    grpc_port: int | None = None  # the gRPC API (server/grpc_service.py) on host:grpc_port too; None: off
     served_model_names: tuple[str, ...] = ()  # () : the engine's model string
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on the API routes when set
     # waiting (unscheduled) samples; beyond it new requests get 503 at once, and a request of more samples
@@ -368,6 +369,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.max_queue is not None and self.max_queue < 1:  # 0 would refuse every request (400)

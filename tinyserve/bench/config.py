@@ -72,6 +72,9 @@ class ServeBenchConfig:
 
     base_url: str = "http://127.0.0.1:8000"
     endpoint: str = "/v1/completions"  # or /v1/chat/completions
+    # grpc: tinyserve's gRPC GenerateStream at grpc_target instead (completions only; base_url: /metrics)
+    backend: Literal["http", "grpc"] = "http"
+    grpc_target: str = "127.0.0.1:50051"
     model: str | None = None  # None: the first id that GET /v1/models lists
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     max_concurrency: int | None = None  # None: no limit beyond the arrival process
@@ -97,6 +100,10 @@ class ServeBenchConfig:
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
         if not self.endpoint.startswith("/"):
             raise ValueError(f"endpoint must start with '/', got {self.endpoint!r}")
+        if self.backend not in ("http", "grpc"):
+            raise ValueError(f"backend must be http or grpc, got {self.backend!r}")
+        if self.backend == "grpc" and self.is_chat:
+            raise ValueError("the gRPC API serves completions only: leave endpoint at /v1/completions")
         if self.max_concurrency is not None:
             _positive("max_concurrency", self.max_concurrency)
         _positive("request_rate", self.request_rate)

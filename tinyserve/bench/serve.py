@@ -91,7 +91,7 @@ async def _timed_run(client: StreamingClient, requests: list[SampleRequest], con
 
 async def run_serve_async(config: ServeBenchConfig, requests: list[SampleRequest], tokenizer=None,
                           label: str = "bench") -> ServeRun:
-    async with StreamingClient(config) as client:
+    async with _client(config) as client:
         model = client.model or await client.discover_model()
         if config.num_warmups:
             await _warm_up(client, requests, config.num_warmups)
@@ -105,6 +105,14 @@ async def run_serve_async(config: ServeBenchConfig, requests: list[SampleRequest
     count_output_tokens(results, tokenizer)
     metrics = compute_metrics(results, duration, config.goodput_slos_ms, config.metric_percentiles)
     return ServeRun(config, model, results, start, duration, cpu, metrics, spec_decode)
+
+
+def _client(config: ServeBenchConfig):
+    if config.backend == "grpc":
+        from tinyserve.bench.grpc_client import GrpcStreamingClient  # grpcio only where asked for
+
+        return GrpcStreamingClient(config)
+    return StreamingClient(config)
 
 
 def _spec_decode_over_run(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -169,6 +177,7 @@ def summary_line(run: ServeRun) -> dict:
     m = run.metrics
     return jsonable({
         "bench": "serve", "model": run.model, "base_url": run.config.base_url, "endpoint": run.config.endpoint,
+        "backend": run.config.backend,
         "num_prompts": len(run.results), "max_concurrency": run.config.max_concurrency,
         "request_rate": run.config.request_rate, "completed": m.num_completed, "failed": m.num_failed,
         "duration_s": round(m.duration_s, 3), "request_throughput": round(m.request_throughput, 3),

@@ -21,16 +21,25 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
               engine_factory: Callable[[EngineConfig], object] | None = None) -> FastAPI:
     """`engine_factory(engine_config) -> LLMEngine` replaces the default loader (tests share one loaded
     model between apps; each model's engine_config names its source). The start-up models load in the
-    background once the app starts: /health is 503 until their warm-up generations have run."""
+    background once the app starts: /health is 503 until their warm-up generations have run. With
+    `config.grpc_port` the gRPC API runs on the same event loop (`app.state.grpc`, server/grpc_server.py)."""
     state = ServerState(engine_config, config, engine_factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        grpc_server = None
+        if config.grpc_port is not None:  # bound first: a port in use fails the start before any load
+            from tinyserve.server.grpc_server import GrpcServer
+
+            grpc_server = app.state.grpc = GrpcServer(state)
+            await grpc_server.start()
         state.start_loading()
         try:
             yield
         finally:
-            await state.close()
+            await state.close()  # drains gRPC's calls in flight with HTTP's
+            if grpc_server is not None:
+                await grpc_server.stop()
 
     app = FastAPI(title="tinyserve", version=tinyserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)

@@ -43,7 +43,7 @@ class Choice:
     """What one choice has produced so far (the non-streaming response is built from these)."""
 
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -84,7 +84,7 @@ class Generation:
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
+        return sum(len(c.token_ids) for c in self.choices)
 
     def usage(self) -> UsageInfo:
         cached = sum(c.cached_tokens for c in self.choices[:: self.params.n])  # one sample per prompt
@@ -145,7 +145,7 @@ class Generation:
             self._ticket.first_token(time.monotonic() - self.arrival_time)
         if out.new_text:
             choice.text.append(out.new_text)
-        choice.num_tokens += len(out.new_token_ids)
+        choice.token_ids += out.new_token_ids
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
@@ -179,8 +179,7 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 async def run_to_end(generation: Generation, request: Request) -> None:
-    """Non-streaming: consume every output while watching for the client's disconnect (then abort).
-    Raises the APIError the client gets when the run did not end normally."""
+    """Non-streaming HTTP: `collect` while watching for the client's disconnect (then abort)."""
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -188,12 +187,19 @@ async def run_to_end(generation: Generation, request: Request) -> None:
 
     watcher = asyncio.create_task(watch())
     try:
+        await collect(generation)
+    finally:
+        watcher.cancel()
+
+
+async def collect(generation: Generation) -> None:
+    """Consume every output into `generation.choices`. Raises the APIError the client gets when the run
+    did not end normally. Cancelled (the client is gone), it closes the generation: the request aborts."""
+    try:
         async for _ in generation.outputs():  # closes the generation when it ends, however it ends
             pass
     except EngineDeadError as exc:
         raise generation.engine_error(exc) from None
-    finally:
-        watcher.cancel()
     if generation.hit_deadline and not generation.num_completion_tokens:
         raise generation.timeout_error()
     if any(c.error for c in generation.choices):

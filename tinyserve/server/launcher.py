@@ -261,6 +261,12 @@ class BackgroundServer:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def grpc_target(self) -> str:
+        """host:port of the gRPC API (ServerConfig.grpc_port set)."""
+        host = self.server.servers[0].sockets[0].getsockname()[0]
+        return f"{host}:{self.app.state.grpc.port}"
+
     def start(self, timeout: float = 120.0) -> BackgroundServer:
         self.thread.start()
         deadline = time.monotonic() + timeout

@@ -7,12 +7,16 @@ apps in one process. Gauges and the engine's running
 totals (preemptions, prefix cache) are read from the latest EngineStats at scrape time; histograms and
 token counters are fed per step from the engine thread (AsyncEngine.step_listeners). One finished
 *sample* is one request here (n=2 counts two, as the engine schedules two sequences); its prompt tokens
-are counted once, on sample 0.
+are counted once, on sample 0. The per-request series (histograms, outcomes, refusals; not the token
+totals) also carry an `api` label, the front door a request came in by (`http` or `grpc`): the engine
+knows nothing of it, so the gRPC service tags its requests (`track_api`; untagged ones are http) and
+sets API in its handlers' tasks for admission's refusals.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,6 +34,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 1
                     40.0, 80.0, 160.0, 320.0, 640.0)
 _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 MAX_TOKEN_BUCKET = 1 << 17  # the token histograms' ladder ends at the first rung above this
+APIS = ("http", "grpc")
+API: ContextVar[str] = ContextVar("tinyserve_api", default="http")  # the api of the request this task serves
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.025, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -168,9 +174,9 @@ class MetricSet:
         reg.register(_EngineStatsCollector(get_models))
         if get_memory is not None:
             reg.register(_MemoryCollector(get_memory))
-        label = ["model_name"]
+        label, per_api = ["model_name"], ["model_name", "api"]
         tokens = _token_buckets(max_token_bucket)
-        self.histograms = {name: Histogram(f"tinyserve:{name}", doc, label, registry=reg, buckets=buckets)
+        self.histograms = {name: Histogram(f"tinyserve:{name}", doc, per_api, registry=reg, buckets=buckets)
                            for name, doc, buckets in (
             ("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS),
             ("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS),
@@ -183,13 +189,13 @@ class MetricSet:
                                      label, registry=reg)
         self.generation_tokens = Counter("tinyserve:generation_tokens", "Generated tokens.", label, registry=reg)
         self.success = Counter("tinyserve:request_success", "Finished requests by finish reason.",
-                               label + ["finished_reason"], registry=reg)
+                               per_api + ["finished_reason"], registry=reg)
         self.admission_limit = Gauge("tinyserve:admission_limit",
                                      "Samples admission lets wait (--max-queue, or adaptive admission's limit).",
                                      label, registry=reg)
         self.rejected = Counter("tinyserve:request_rejected",
                                 "Requests refused by admission (503, or 400 too_many_samples).",
-                                label + ["reason"], registry=reg)
+                                per_api + ["reason"], registry=reg)
         # the models' lifecycle (server/model_slot.py): outcome ok or failed; unload reason
         self.loads = Counter("tinyserve:model_loads", "Model loads by outcome.", label + ["outcome"], registry=reg)
         self.unloads = Counter("tinyserve:model_unloads", "Model unloads by reason (admin, evicted, idle, swap).",
@@ -218,39 +224,76 @@ class ServerMetrics:
             metric_set = MetricSet(lambda: [(model_name, get_stats(), get_loop_stats())],
                                    max_model_len or MAX_TOKEN_BUCKET)
         self.metric_set, self.registry, self.model_name = metric_set, metric_set.registry, model_name
-        h = {name: hist.labels(model_name) for name, hist in metric_set.histograms.items()}
-        self.ttft, self.itl = h["time_to_first_token_seconds"], h["inter_token_latency_seconds"]
-        self.e2e, self.queue = h["e2e_request_latency_seconds"], h["request_queue_time_seconds"]
-        self.prompt_hist, self.generation_hist = h["request_prompt_tokens"], h["request_generation_tokens"]
+        self.series = {api: _RequestSeries(metric_set, model_name, api) for api in APIS}
         self.prompt_tokens = metric_set.prompt_tokens.labels(model_name)
         self.generation_tokens = metric_set.generation_tokens.labels(model_name)
         # (request id, prompt index, sample index) -> when its last token came; engine thread only
         self._last_token_time: dict[tuple[str, int, int], float] = {}
+        # request id -> [api, samples not finished yet], for the requests not of http; set on the event
+        # loop before the request is queued, dropped on the engine thread with its last sample
+        self._api_of: dict[str, list] = {}
+
+    def track_api(self, request_id: str, num_samples: int, api: str) -> None:
+        """Count the request's samples under `api` (call before queueing it)."""
+        if api != "http":
+            self._api_of[request_id] = [api, num_samples]
+
+    def _series_of(self, out: RequestOutput) -> _RequestSeries:
+        tracked = self._api_of.get(out.request_id)
+        if tracked is None:
+            return self.series["http"]
+        if out.finished:
+            tracked[1] -= 1
+            if tracked[1] == 0:
+                del self._api_of[out.request_id]
+        return self.series[tracked[0]]
 
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
         """Engine thread, once per step: inter-token latencies, token counts, finished samples."""
         num_new = 0
         for out in outputs:
             key = (out.request_id, out.prompt_index, out.index)
+            series = self._series_of(out)
             if out.new_token_ids:
                 num_new += len(out.new_token_ids)
                 last = self._last_token_time.get(key)
                 if last is not None:  # several tokens at once (speculation) share the wait between them
                     for _ in out.new_token_ids:
-                        self.itl.observe((now - last) / len(out.new_token_ids))
+                        series.itl.observe((now - last) / len(out.new_token_ids))
                 self._last_token_time[key] = now
             if out.finished:
                 self._last_token_time.pop(key, None)
-                self._on_finished(out, now)
+                series.on_finished(out, now)
+                if out.index == 0 and out.usage is not None:
+                    self.prompt_tokens.inc(out.usage.prompt_tokens)
         if num_new:
             self.generation_tokens.inc(num_new)
 
-    def _on_finished(self, out: RequestOutput, now: float) -> None:
-        self.metric_set.success.labels(self.model_name, out.finish_reason.value).inc()
+    def set_admission_limit(self, limit: float) -> None:
+        self.metric_set.admission_limit.labels(self.model_name).set(limit)
+
+    def rejected(self, reason: str) -> None:
+        self.metric_set.rejected.labels(self.model_name, API.get(), reason).inc()
+
+    def render(self) -> bytes:
+        return self.metric_set.render()
+
+
+class _RequestSeries:
+    """One model's request series for one api."""
+
+    def __init__(self, metric_set: MetricSet, model_name: str, api: str):
+        self.metric_set, self.model_name, self.api = metric_set, model_name, api
+        h = {name: hist.labels(model_name, api) for name, hist in metric_set.histograms.items()}
+        self.ttft, self.itl = h["time_to_first_token_seconds"], h["inter_token_latency_seconds"]
+        self.e2e, self.queue = h["e2e_request_latency_seconds"], h["request_queue_time_seconds"]
+        self.prompt_hist, self.generation_hist = h["request_prompt_tokens"], h["request_generation_tokens"]
+
+    def on_finished(self, out: RequestOutput, now: float) -> None:
+        self.metric_set.success.labels(self.model_name, self.api, out.finish_reason.value).inc()
         m, usage = out.metrics, out.usage
         if usage is not None:
             if out.index == 0:
-                self.prompt_tokens.inc(usage.prompt_tokens)
                 self.prompt_hist.observe(usage.prompt_tokens)
             self.generation_hist.observe(usage.completion_tokens)
         if m is None:
@@ -260,12 +303,3 @@ class ServerMetrics:
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         self.e2e.observe((m.finished_time or now) - m.arrival_time)
-
-    def set_admission_limit(self, limit: float) -> None:
-        self.metric_set.admission_limit.labels(self.model_name).set(limit)
-
-    def rejected(self, reason: str) -> None:
-        self.metric_set.rejected.labels(self.model_name, reason).inc()
-
-    def render(self) -> bytes:
-        return self.metric_set.render()
