@@ -130,3 +130,15 @@ def test_a_server_over_its_target_refuses_with_retry_after_and_exports_its_limit
         assert _metric(srv.base_url, "request_rejected_total", 'reason="overloaded"') == 1
     finally:
         srv.stop()
+
+
+def test_an_admission_behind_a_request_already_past_the_target_cuts_the_limit_before_its_token():
+    clock = Clock()
+    admission = AdaptiveAdmission(target_ttft_s=1.0, max_limit=None, clock=clock)
+    old = admission.ticket(1)
+    clock.now += 0.5
+    assert admission.admits(1) and admission.num_decreases == 0  # the oldest has waited 0.5 s: fine
+    clock.now += 0.6
+    assert admission.admits(1) and admission.limit == INITIAL_LIMIT * DECREASE_FACTOR  # 1.1 s: a miss
+    old.first_token(1.2)  # its token, late, within the same interval: counted once
+    assert admission.num_decreases == 1 and admission.num_pending == 0

@@ -8,7 +8,9 @@ seats wait for each other's prefill), which by Little's law is the drain rate ti
 follows what clients see. Each request's first token reports its TTFT; a TTFT over
 the target cuts the limit by DECREASE_FACTOR (at most once per target interval, so one burst of late
 tokens, all caused by the same queue, counts once), and each TTFT under it adds 1 / limit (one slot per
-limit's worth of good answers: TCP's congestion avoidance). This is AIMD, as in Netflix's
+limit's worth of good answers: TCP's congestion avoidance). A TTFT arrives only once the wait is over, so
+an admission that finds the oldest pending request already waiting past the target counts that as a miss
+at once, without waiting for its token. This is AIMD, as in Netflix's
 concurrency-limits: it needs no model of the step time or the prompt mix, it converges to a fair share
 when several models share the CPU, and its one signal is the bar it must hold. (A gradient rule, which
 compares a short and a long average latency, would not need a target, but this server's users state one.)
@@ -40,6 +42,7 @@ class AdaptiveAdmission:
         self.max_limit = float(max_limit) if max_limit is not None else math.inf
         self.limit = min(INITIAL_LIMIT, self.max_limit)
         self.num_pending = 0  # samples admitted without their first token yet (AdmissionTicket)
+        self._pending: dict[AdmissionTicket, float] = {}  # ticket -> admission time, oldest first
         self.num_increases = self.num_decreases = 0
         self._on_limit, self._clock = on_limit, clock
         self._last_decrease = -math.inf
@@ -52,23 +55,33 @@ class AdaptiveAdmission:
         now = self._clock()
         self._count_drain(now)
         if ttft_s > self.target_ttft_s:
-            if now - self._last_decrease >= self.target_ttft_s:
-                self._last_decrease = now
-                self.limit = max(MIN_LIMIT, self.limit * DECREASE_FACTOR)
-                self.num_decreases += 1
-                self._on_limit(self.limit)
+            self._decrease(now)
         elif self.limit < self.max_limit:
             self.limit = min(self.max_limit, self.limit + 1.0 / self.limit)
             self.num_increases += 1
             self._on_limit(self.limit)
 
+    def _decrease(self, now: float) -> None:
+        if now - self._last_decrease >= self.target_ttft_s:
+            self._last_decrease = now
+            self.limit = max(MIN_LIMIT, self.limit * DECREASE_FACTOR)
+            self.num_decreases += 1
+            self._on_limit(self.limit)
+
     def admits(self, num_samples: int) -> bool:
         """Whether `num_samples` more may be pending beside those pending now. A request of more samples
         than the limit is admitted alone, when nothing else is pending: it cannot fit otherwise."""
-        return not self.num_pending or self.num_pending + num_samples <= self.limit
+        if not self.num_pending:
+            return True
+        now = self._clock()
+        if now - next(iter(self._pending.values())) > self.target_ttft_s:  # a miss already, token or not
+            self._decrease(now)
+        return self.num_pending + num_samples <= self.limit
 
     def ticket(self, num_samples: int) -> AdmissionTicket:
-        return AdmissionTicket(self, num_samples)
+        ticket = AdmissionTicket(self, num_samples)
+        self._pending[ticket] = self._clock()
+        return ticket
 
     def retry_after(self) -> int:
         """Seconds until the samples pending now have started, at the measured drain rate."""
@@ -109,4 +122,5 @@ class AdmissionTicket:
             return False
         self._is_pending = False
         self._admission.num_pending -= self._num_samples
+        self._admission._pending.pop(self, None)
         return True
