@@ -203,8 +203,8 @@ def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=DatasetConfig.seed, help="dataset and arrival times")
     c = parser.add_argument_group("client")
     c.add_argument("--endpoint", default=ServeBenchConfig.endpoint, help="/v1/completions or /v1/chat/completions")
-    c.add_argument("--backend", choices=("http", "grpc"), default=ServeBenchConfig.backend,
-                   help="grpc: tinyserve's gRPC GenerateStream at --grpc-target (completions only)")
+    c.add_argument("--backend", choices=("http", "grpc", "openai", "vllm"), default=ServeBenchConfig.backend,
+                   help="grpc: tinyserve's gRPC GenerateStream at --grpc-target (completions only); vLLM's openai / vllm mean http")
     c.add_argument("--grpc-target", default=ServeBenchConfig.grpc_target, metavar="HOST:PORT")
     c.add_argument("--model", default=ServeBenchConfig.model,
                    help="model name sent (default: the first of GET /v1/models)")
@@ -224,7 +224,6 @@ def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--result-file", type=Path, default=None, help="JSON result (default: bench-results/)")
     c.add_argument("--result-dir", type=Path, default=None, help="folder of the default result file (vLLM's)")
     c.add_argument("--save-result", action="store_true", help="accepted for vLLM: the result is always saved")
-    c.add_argument("--backend", default=None, help="accepted for vLLM and ignored: the endpoint says what to call")
     c.add_argument("--percentile-metrics", type=_csv(str), default=PERCENTILE_METRICS, metavar="ttft,tpot,itl,e2el",
                    help="the metrics whose percentiles the summary shows (vLLM's)")
     c.add_argument("--metric-percentiles", type=_csv(float), default=(), metavar="50,95,99",
@@ -254,7 +253,7 @@ def _serve_bench_config(args: argparse.Namespace, base_url: str) -> ServeBenchCo
         except ValueError:
             raise ValueError(f"--goodput takes KEY:MS pairs (ttft, tpot, e2el), got {item!r}") from None
     return ServeBenchConfig(
-        base_url=base_url, endpoint=args.endpoint, backend=args.backend, grpc_target=args.grpc_target,
+        base_url=base_url, endpoint=args.endpoint, backend="grpc" if args.backend == "grpc" else "http", grpc_target=args.grpc_target,
         model=args.model, dataset=dataset,
         max_concurrency=getattr(args, "max_concurrency", None), request_rate=args.request_rate,
         burstiness=args.burstiness, seed=args.seed, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
