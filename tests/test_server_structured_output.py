@@ -233,6 +233,7 @@ def test_unconstrained_requests_beside_constrained_ones_keep_their_greedy_tokens
     ({"response_format": {"type": "regex"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"guided_regex": "7\U000669C0"}, "guided_regex"),  # a character no token of SmolLM2 can write
 ])
 def test_bad_structured_output_is_a_400_naming_the_field(server, fields, param):
     response = httpx.post(server.base_url + CHAT, json=_chat("hi", **fields), timeout=60)

@@ -61,6 +61,23 @@ def test_a_grammar_is_compiled_once_and_bad_ones_name_their_kind(smollm2_loaded)
         outputs.compile(StructuredOutput("json_schema", "[1, 2"))
 
 
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("regex", "7\U000669C0"),  # llguidance's mask let a stray continuation byte through here
+    StructuredOutput("regex", "[\U00040000-\U0004FFFF]x"),
+    StructuredOutput("choice", json.dumps(["a", "\U000669C0"])),
+    StructuredOutput("json_schema", json.dumps({"const": "\U000669C0"})),
+    StructuredOutput("grammar", 'root ::= "\x04"'),
+])
+def test_a_character_the_vocabulary_cannot_write_is_refused_at_compile(smollm2_loaded, spec):
+    """SmolLM2's vocabulary has no token holding the byte 0xF1 (nor 0x04): a spec needing one is a 400."""
+    outputs = _engine(smollm2_loaded).structured_outputs
+    with pytest.raises(InvalidRequest, match="this model's vocabulary cannot write") as caught:
+        outputs.compile(spec)
+    assert caught.value.param == "structured_output" and caught.value.code == "invalid_grammar"
+    assert spec not in outputs._compiled
+    outputs.compile(StructuredOutput("json_schema", json.dumps({"const": "\u0004 \u00e9\u4eba\U0001f642"})))
+
+
 def test_objects_with_properties_admit_no_others_unless_they_say_so():
     schema = {"type": "object", "properties": {
         "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},  # a property so named

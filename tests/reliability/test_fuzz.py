@@ -5,6 +5,8 @@ malformed JSON and invalid UTF-8.
 The bar (issue 14): every reply is 200, 400, 413 or 503 in OpenAI's error shape (404 is allowed only as
 `model_not_found`, the right answer to a made-up model name), every stream ends with `data: [DONE]`,
 the engine never dies, and afterwards /health is 200, every KV block is free and no stream is left.
+A body that sets its own `timeout` (issue 21's deadline) may also end as a deadline ends, and only so:
+finish_reason "timeout", a 504 `request_timeout`, or that error as a stream's last event.
 
 Field strategies come from `CompletionRequest.model_fields` and `ChatCompletionRequest.model_fields`:
 fields named in `SEMANTIC` get values that aim at their meaning (token ids around the vocabulary edge,
@@ -101,7 +103,20 @@ SEMANTIC = {  # fields whose meaning asks for more than their annotation says
     "functions": st.one_of(st.none(), st.just([]), st.just([{"name": "f"}])),
     "tool_choice": st.one_of(st.none(), st.sampled_from(["none", "auto", "required"]), st.just({})),
     "response_format": st.one_of(st.none(), st.sampled_from([{"type": "text"}, {"type": "json_object"}, {}])),
+    "timeout": st.one_of(st.none(), st.floats(1e-3, 5), st.sampled_from(
+        [1e-300, 1e-12, 0.0, -1.0, 86400.0, 86400.5, 1e308, float("inf"), float("nan"), 1, True])),
 }
+DEADLINE_CODE = "request_timeout"
+
+
+def asked_for_deadline(case: "Case") -> bool:
+    """The body sets a numeric `timeout`, so a deadline reply is a right answer to it."""
+    timeout = case.body.get("timeout") if isinstance(case.body, dict) else None
+    return isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+
+
+def allowed_finish_reasons(case: "Case") -> set[str]:
+    return {"stop", "length", "timeout"} if asked_for_deadline(case) else {"stop", "length"}
 
 
 def _from_annotation(annotation) -> st.SearchStrategy:
@@ -243,7 +258,7 @@ def expected_num_choices(case: Case) -> int | None:
 
 def error_problem(case: Case, status: int, payload: object, fields: set[str]) -> str | None:
     """Why a non-200 reply is not an OpenAI error body we allow (None when it is)."""
-    if status not in (400, 404, 413, 503):
+    if status not in (400, 404, 413, 503) and not (status == 504 and asked_for_deadline(case)):
         return f"status {status}"
     if not isinstance(payload, dict) or set(payload) != {"error"} or not isinstance(payload["error"], dict):
         return f"not an OpenAI error body: {payload!r:.200}"
@@ -253,6 +268,8 @@ def error_problem(case: Case, status: int, payload: object, fields: set[str]) ->
     if not isinstance(error["type"], str) or any(error[k] is not None and not isinstance(error[k], str)
                                                  for k in ("param", "code")):
         return f"error type/param/code of the wrong type: {error!r:.200}"
+    if status == 504 and error["code"] != DEADLINE_CODE:
+        return f"504 that is not {DEADLINE_CODE}: {error!r:.200}"
     if status == 404 and error["code"] != "model_not_found":
         return f"404 that is not model_not_found: {error!r:.200}"
     if status == 503 and error["code"] in ("engine_dead", "engine_stalled"):
@@ -269,7 +286,7 @@ def success_problem(case: Case, payload: dict) -> str | None:
     if not isinstance(choices, list) or (expected is not None and len(choices) != expected):
         return f"{len(choices) if isinstance(choices, list) else choices!r} choices, expected {expected}"
     reasons = {c.get("finish_reason") for c in choices}
-    return None if reasons <= {"stop", "length"} else f"finish reasons {sorted(map(str, reasons))}"
+    return None if reasons <= allowed_finish_reasons(case) else f"finish reasons {sorted(map(str, reasons))}"
 
 
 def stream_problem(case: Case, raw: bytes) -> str | None:
@@ -277,9 +294,11 @@ def stream_problem(case: Case, raw: bytes) -> str | None:
     if not events or events[-1] != "data: [DONE]":
         return f"stream does not end with [DONE]: {events[-1:]!r:.200}"
     reasons: dict[int, str] = {}
-    for event in events[:-1]:
+    for position, event in enumerate(events[:-1]):
         payload = json.loads(event.removeprefix("data: "))
-        if "error" in payload:
+        deadline_last = (asked_for_deadline(case) and position == len(events) - 2
+                         and payload.get("error", {}).get("code") == DEADLINE_CODE)
+        if "error" in payload and not deadline_last:
             return f"error event in a stream: {payload!r:.200}"
         for choice in payload.get("choices", []):
             if choice.get("finish_reason") is not None:
@@ -287,7 +306,10 @@ def stream_problem(case: Case, raw: bytes) -> str | None:
     expected = expected_num_choices(case)
     if expected is not None and len(reasons) != expected:
         return f"{len(reasons)} choices finished, expected {expected}"
-    return None if set(reasons.values()) <= {"stop", "length"} else f"finish reasons {sorted(reasons.values())}"
+    if asked_for_deadline(case) and ("timeout" in reasons.values()) != (
+            len(events) > 1 and events[-2].startswith('data: {"error"')):
+        return f"a deadline's finish reasons and error event disagree: {sorted(reasons.values())}"
+    return None if set(reasons.values()) <= allowed_finish_reasons(case) else f"finish reasons {sorted(reasons.values())}"
 
 
 async def send(client: httpx.AsyncClient, case: Case, fields: dict[str, set[str]]) -> tuple[str, str | None]:

@@ -53,10 +53,39 @@ class StructuredOutputs:
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
+        self._unwritable: frozenset[int] | None = None  # bytes no token holds (built on first use)
 
     def compile(self, spec: StructuredOutput) -> None:
         """Compile and cache the spec, or raise InvalidRequest (param "structured_output") saying why."""
+        self._refuse_unwritable(spec)
         self._pristine(spec)
+
+    def _refuse_unwritable(self, spec: StructuredOutput) -> None:
+        """InvalidRequest when the spec names a character this vocabulary cannot write. SmolLM2's has no
+        token holding the byte 0xF1 or 0xF2 (the lead bytes of U+40000-U+BFFFF), and llguidance, which
+        takes every byte to be writable, would then let a wrong token through the mask mid-output."""
+        if self._unwritable is None:
+            held: set[int] = set()
+            for token_id in range(self._tokenizer.vocab_size):
+                held.update(self._tokenizer.token_bytes(token_id))
+            self._unwritable = frozenset(range(256)) - held
+        if not self._unwritable:
+            return
+        text = spec.spec
+        if spec.kind in ("json_schema", "choice"):  # the characters its JSON's escapes stand for
+            try:
+                text = json.dumps(json.loads(spec.spec), ensure_ascii=False)
+            except ValueError:
+                return  # not JSON: _grammar_text says so
+        # JSON output writes a control character as an escape; a regex, choice or grammar writes it as it is
+        lowest = 0x20 if spec.kind == "json_schema" else 0
+        for char in sorted({c for c in text if ord(c) >= lowest}):
+            missing = set(char.encode("utf-8", "surrogatepass")) & self._unwritable
+            if missing:
+                raise InvalidRequest(
+                    f"the {_NAMES[spec.kind]} needs {char!r} (U+{ord(char):04X}), which this model's vocabulary "
+                    f"cannot write (no token holds the byte 0x{min(missing):02X})",
+                    param="structured_output", code="invalid_grammar")
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher at the start of the spec's language, for one sequence."""
