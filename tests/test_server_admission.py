@@ -2,6 +2,7 @@
 a Retry-After from the measured drain rate, and exports the limit."""
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -91,43 +92,99 @@ def _metric(base_url: str, name: str, label: str = "") -> float:
     raise KeyError(name)
 
 
-def test_a_server_over_its_target_refuses_with_retry_after_and_exports_its_limit(loaded):
-    """One seat and a 1 ms target: every TTFT misses it, so the limit falls to its floor (one sample
-    without its first token); with one request running and one waiting, the next is refused before it is
-    parsed."""
+def _adaptive_server(loaded, max_num_seqs: int, gate: threading.Event):
+    """An adaptive server with a 1 ms target whose engine steps only while `gate` is set."""
+    def build(cfg):
+        engine = LLMEngine(cfg, loaded=loaded)
+        step = engine.step
+
+        def gated_step():
+            gate.wait()
+            return step()
+
+        engine.step = gated_step
+        return engine
+
     engine_config = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),
-                                 scheduler=SchedulerConfig(max_model_len=2048, max_num_seqs=1))
+                                 scheduler=SchedulerConfig(max_model_len=2048, max_num_seqs=max_num_seqs))
     config = ServerConfig(port=0, admission="adaptive", target_ttft=0.001, warmup=False)
-    srv = BackgroundServer(engine_config, config, lambda cfg: LLMEngine(cfg, loaded=loaded)).start()
-    slot = srv.state.default
-    body = {"prompt": "Go on:", "max_tokens": 400, "ignore_eos": True}
+    return BackgroundServer(engine_config, config, build).start()
+
+
+def _to_the_floor(srv) -> None:
+    """Five misses of the 1 ms target, each past the interval: 4 x 0.7^4 < 1, so the limit is at its floor."""
+    assert _metric(srv.base_url, "admission_limit") == INITIAL_LIMIT
+    for _ in range(5):
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "Go on:", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        time.sleep(0.01)
+    assert srv.state.default.admission.limit == MIN_LIMIT and _metric(srv.base_url, "admission_limit") == MIN_LIMIT
+
+
+LONG = {"prompt": "Go on:", "max_tokens": 400, "ignore_eos": True}
+
+
+def test_a_server_over_its_target_refuses_with_retry_after_and_exports_its_limit(loaded):
+    """The limit at its floor (one sample without its first token): with one request running and one
+    admitted to the free seat but not yet stepped, the next is refused before it is parsed."""
+    gate = threading.Event()
+    gate.set()
+    srv = _adaptive_server(loaded, max_num_seqs=2, gate=gate)
     try:
-        assert _metric(srv.base_url, "admission_limit") == INITIAL_LIMIT
-        for _ in range(5):  # five misses, each past the 1 ms interval: 4 x 0.7^4 < 1 -> the floor, 1
-            r = httpx.post(srv.base_url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
-            assert r.status_code == 200, r.text
-            time.sleep(0.01)
-        assert slot.admission.limit == MIN_LIMIT and _metric(srv.base_url, "admission_limit") == MIN_LIMIT
+        _to_the_floor(srv)
 
         async def run():
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
-                running = asyncio.create_task(client.post("/v1/completions", json=body))
+                running = asyncio.create_task(client.post("/v1/completions", json=LONG))
                 while srv.state.engine.stats.num_running < 1:
                     await asyncio.sleep(0.01)
-                waiting = asyncio.create_task(client.post("/v1/completions", json=body))
+                gate.clear()  # the engine stops before its next step: the next admission stays pending
+                await asyncio.sleep(0.2)
+                pending = asyncio.create_task(client.post("/v1/completions", json=LONG))
                 while srv.state.engine.num_waiting < 1:
                     await asyncio.sleep(0.01)
                 refused = await client.post("/v1/completions", content=b"not even JSON")
                 srv.state.engine.abort_all()
-                return refused, await running, await waiting
+                gate.set()
+                return refused, await running, await pending
 
-        refused, running, waiting = asyncio.run(run())
+        refused, running, pending = asyncio.run(run())
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]
         assert error["code"] == "overloaded" and "adaptive limit 1.0" in error["message"]
         assert 1 <= int(refused.headers["retry-after"]) <= 60
-        assert running.status_code == 200 and waiting.status_code == 200  # ended by the abort, not refused
+        assert running.status_code == 200 and pending.status_code == 200  # ended by the abort, not refused
         assert _metric(srv.base_url, "request_rejected_total", 'reason="overloaded"') == 1
+    finally:
+        gate.set()
+        srv.stop()
+
+
+def test_with_every_seat_taken_only_a_request_that_preempts_is_admitted(loaded):
+    """A wait for a seat lasts until a running request ends, so adaptive admission refuses it (after
+    parsing, when the priority is known); a better priority than a running request's takes its seat."""
+    gate = threading.Event()
+    gate.set()
+    srv = _adaptive_server(loaded, max_num_seqs=1, gate=gate)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+                running = asyncio.create_task(client.post("/v1/completions", json={**LONG, "priority": 5}))
+                while srv.state.engine.stats.num_running < 1:
+                    await asyncio.sleep(0.01)
+                equal = await client.post("/v1/completions", json={**LONG, "max_tokens": 2, "priority": 5})
+                better = await client.post("/v1/completions", json={**LONG, "max_tokens": 2, "priority": 0})
+                srv.state.engine.abort_all()
+                return equal, better, await running
+
+        equal, better, running = asyncio.run(run())
+        assert equal.status_code == 503, equal.text
+        error = equal.json()["error"]
+        assert error["code"] == "overloaded" and "every seat is taken: 1 sequences running" in error["message"]
+        assert 1 <= int(equal.headers["retry-after"]) <= 60
+        assert better.status_code == 200 and better.json()["usage"]["completion_tokens"] == 2, better.text
+        assert running.status_code == 200
+        assert _metric(srv.base_url, "num_preemptions_total") >= 1
     finally:
         srv.stop()
 

@@ -5,7 +5,8 @@ Resolved once at start-up, in layers, each over the one before:
 1. the neutral values (SamplingDefaults' own: OpenAI's, vLLM's `--generation-config vllm`);
 2. with generation_config "auto", the checkpoint's: a Hugging Face folder's generation_config.json (as vLLM's
    `--generation-config auto`), or for a GGUF llama.cpp's defaults and over them the file's
-   general.sampling.* metadata (as llama.cpp);
+   general.sampling.* metadata (as llama.cpp), or where it has none its alias's model-card values
+   (loader/model_loader.py ALIAS_SAMPLING);
 3. override_generation_config, field by field.
 The result is checked by SamplingParams (the ranges' one source), so a bad file or flag stops the start-up
 with the field named, never a request.
@@ -32,7 +33,7 @@ def resolve_sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> Samp
     elif config.generation_config == "auto":
         fields.update(LLAMA_CPP_SAMPLING_DEFAULTS)
         fields.update(loaded.recommended_sampling)
-        sources[0] = "llama.cpp defaults" + (" + GGUF general.sampling" if loaded.recommended_sampling else "")
+        sources[0] = "llama.cpp defaults" + (" + the model's recommended values" if loaded.recommended_sampling else "")
     if config.override_generation_config:
         fields.update(config.override_generation_config)
         sources.append("--override-generation-config")

@@ -383,5 +383,6 @@ class LLMEngine:
             num_paused=self.scheduler.num_paused,
             num_prefill_tokens=self.num_prefill_tokens,
             num_cached_blocks=self.block_manager.num_cached_blocks,
+            worst_running_priority=max((r.priority for r in self.scheduler.running), default=None),
             spec_decode=self.proposer.stats.copy() if self.proposer is not None else None,
         )

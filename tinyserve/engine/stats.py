@@ -22,6 +22,7 @@ class EngineStats:
     num_paused: int = 0  # set aside until their slow reader catches up; not in num_waiting
     num_prefill_tokens: int = 0  # computed in prompt chunks (recomputes included, prefix-cache hits not)
     num_cached_blocks: int = 0  # blocks holding a prefix-cache hash (held or free)
+    worst_running_priority: int | None = None  # the largest priority value running (None: nothing runs)
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding: a copy of its counters
 
 

@@ -103,6 +103,14 @@ ALIASES: dict[str, Callable[[], Path]] = {
 }
 
 
+# A GGUF carries a model's recommended sampling only in general.sampling.*, which these files leave out. An
+# alias ships its model card's values instead, as Ollama's library ships per-model parameters; the engine
+# puts them over llama.cpp's defaults (engine/generation_defaults.py). SmolLM2's card samples at
+# temperature 0.2, top_p 0.9: at llama.cpp's 0.8 its 135M model answers the README's question in French or
+# off topic on ~40% of seeds (docs/PERFORMANCE.md, "Sampling defaults of the default model").
+ALIAS_SAMPLING: dict[str, dict[str, float]] = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9}}
+
+
 def resolve_model_path(model: str) -> Path:
     """An alias, a .gguf file or a Hugging Face checkpoint folder -> an existing path."""
     path = ALIASES[model]() if model in ALIASES else Path(model).expanduser()
@@ -194,7 +202,7 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
         reader = open_gguf(path)
         yield
         config = gguf_model_config(reader)
-        recommended = gguf_sampling_fields(reader)
+        recommended = gguf_sampling_fields(reader) or dict(ALIAS_SAMPLING.get(model, {}))
         tokenizer = Tokenizer.from_gguf(reader)
         yield
         net = yield from build_model_in_pieces(config, gguf_tensors(reader, config), torch_dtype, torch_device,

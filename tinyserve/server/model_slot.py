@@ -108,10 +108,13 @@ class ModelSlot:
             raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
         return loaded
 
-    def admit(self, num_samples: int = 1, loaded: LoadedModel | None = None) -> LoadedModel:
+    def admit(self, num_samples: int = 1, loaded: LoadedModel | None = None, priority: int | None = None) -> LoadedModel:
         """The LoadedModel new work goes to (or `loaded`, the one a request was admitted to before: its
-        queue is checked again once the request's samples are known); 503 when its queue is full, 400
-        when the request alone exceeds it (see ServerState.admit)."""
+        queue is checked again once the request's samples and `priority` are known); 503 when its queue is
+        full, 400 when the request alone exceeds it (see ServerState.admit). With adaptive admission, a
+        request whose priority is known must also find a seat now, or a running request of a worse priority
+        to preempt: a wait for a seat lasts until running requests finish, which no TTFT seen so far
+        foretells (docs/PERFORMANCE.md, "Admission under overload")."""
         try:
             if loaded is None:
                 loaded = self.check_ready()
@@ -125,6 +128,13 @@ class ModelSlot:
             free_slots = max(0, self.engine_config.scheduler.max_num_seqs - engine.stats.num_running)
             num_waiting = engine.num_waiting - free_slots  # beyond the seats a step would fill now
             if self.admission is not None:
+                stats = engine.stats
+                if (priority is not None and num_waiting + num_samples > 0
+                        and (stats.worst_running_priority is None or priority >= stats.worst_running_priority)):
+                    raise ServiceUnavailable(
+                        f"the server is over its latency target (every seat is taken: {stats.num_running} "
+                        f"sequences running, {max(0, num_waiting)} waiting for a seat); retry later",
+                        code="overloaded", retry_after=self.admission.retry_after())
                 if not self.admission.admits(num_samples):
                     raise ServiceUnavailable(
                         f"the server is over its latency target ({self.admission.num_pending} sequences "
