@@ -31,6 +31,8 @@ def test_good_ttfts_add_one_per_limits_worth_and_bad_ones_cut_once_per_target_in
         admission.observe(1.0)
     assert admission.limit == pytest.approx(INITIAL_LIMIT + 1, abs=0.1)
     before = admission.limit
+    admission.observe(1.5)  # under the target but without half of it to spare: the limit holds
+    assert admission.limit == before and admission.num_increases == 4
     admission.observe(3.0)
     assert admission.limit == pytest.approx(before * DECREASE_FACTOR)
     clock.now += 1.0  # within one target interval of the cut: the same queue's late tokens count once

@@ -7,8 +7,8 @@ with their prompt still computing: free seats are no exception, since 64 prompts
 seats wait for each other's prefill), which by Little's law is the drain rate times the TTFT, and it
 follows what clients see. Each request's first token reports its TTFT; a TTFT over
 the target cuts the limit by DECREASE_FACTOR (at most once per target interval, so one burst of late
-tokens, all caused by the same queue, counts once), and each TTFT under it adds 1 / limit (one slot per
-limit's worth of good answers: TCP's congestion avoidance). A TTFT arrives only once the wait is over, so
+tokens, all caused by the same queue, counts once), and each TTFT under half of it adds 1 / limit (one
+slot per limit's worth of good answers: TCP's congestion avoidance); in between the limit holds. A TTFT arrives only once the wait is over, so
 an admission that finds the oldest pending request already waiting past the target counts that as a miss
 at once, without waiting for its token. This is AIMD, as in Netflix's
 concurrency-limits: it needs no model of the step time or the prompt mix, it converges to a fair share
@@ -26,6 +26,10 @@ import time
 from collections.abc import Callable
 
 DECREASE_FACTOR = 0.7
+# only a TTFT with this much headroom adds to the limit; between it and the target the limit holds. Raising
+# on every TTFT under the target let the pending prefills grow until they missed it, and the misses of
+# that queue are the p99 (docs/PERFORMANCE.md, "Admission under overload").
+INCREASE_BELOW = 0.5
 MIN_LIMIT = 1.0  # a sample may always wait for the next free seat: the queue never closes completely
 INITIAL_LIMIT = 4.0  # start low: the first TTFTs come only after the first admissions have waited
 RATE_HALF_LIFE_S = 10.0  # of the drain-rate average
@@ -56,7 +60,7 @@ class AdaptiveAdmission:
         self._count_drain(now)
         if ttft_s > self.target_ttft_s:
             self._decrease(now)
-        elif self.limit < self.max_limit:
+        elif ttft_s <= self.target_ttft_s * INCREASE_BELOW and self.limit < self.max_limit:
             self.limit = min(self.max_limit, self.limit + 1.0 / self.limit)
             self.num_increases += 1
             self._on_limit(self.limit)
