@@ -106,8 +106,8 @@ ALIASES: dict[str, Callable[[], Path]] = {
 # A GGUF carries a model's recommended sampling only in general.sampling.*, which these files leave out. An
 # alias ships its model card's values instead, as Ollama's library ships per-model parameters; the engine
 # puts them over llama.cpp's defaults (engine/generation_defaults.py). SmolLM2's card samples at
-# temperature 0.2, top_p 0.9: at llama.cpp's 0.8 its 135M model answers the README's question in French or
-# off topic on ~40% of seeds (docs/PERFORMANCE.md, "Sampling defaults of the default model").
+# temperature 0.2, top_p 0.9, where llama.cpp's 0.8 more often answers the README's question in French
+# (README, "Sampling defaults"; tests/test_generation_defaults.py measures the rate).
 ALIAS_SAMPLING: dict[str, dict[str, float]] = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9}}
 
 

@@ -8,7 +8,8 @@ seats wait for each other's prefill), which by Little's law is the drain rate ti
 follows what clients see. Each request's first token reports its TTFT; a TTFT over
 the target cuts the limit by DECREASE_FACTOR (at most once per target interval, so one burst of late
 tokens, all caused by the same queue, counts once), and each TTFT under half of it adds 1 / limit (one
-slot per limit's worth of good answers: TCP's congestion avoidance); in between the limit holds. A TTFT arrives only once the wait is over, so
+slot per limit's worth of good answers: TCP's congestion avoidance); in between the limit holds. A TTFT
+arrives only once the wait is over, so
 an admission that finds the oldest pending request already waiting past the target counts that as a miss
 at once, without waiting for its token. This is AIMD, as in Netflix's
 concurrency-limits: it needs no model of the step time or the prompt mix, it converges to a fair share
@@ -30,7 +31,7 @@ DECREASE_FACTOR = 0.7
 # on every TTFT under the target let the pending prefills grow until they missed it, and the misses of
 # that queue are the p99 (docs/PERFORMANCE.md, "Admission under overload").
 INCREASE_BELOW = 0.5
-MIN_LIMIT = 1.0  # a sample may always wait for the next free seat: the queue never closes completely
+MIN_LIMIT = 1.0  # one sample may always be pending: admission never closes completely
 INITIAL_LIMIT = 4.0  # start low: the first TTFTs come only after the first admissions have waited
 RATE_HALF_LIFE_S = 10.0  # of the drain-rate average
 MAX_RETRY_AFTER_S = 60
