@@ -26,19 +26,29 @@ LLAMA_CPP_SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling as in HF's `rope_scaling` (only the kinds the supported models use)."""
+    """Rotary frequency scaling as in HF's `rope_scaling` (only the kinds the supported models use), or
+    "freq_factors": a divisor per inverse frequency, given outright, the form in which llama.cpp's converter
+    writes a Llama 3.x's llama3 scaling into a GGUF (its rope_freqs tensor). ModelConfig checks their count."""
 
-    rope_type: Literal["linear", "llama3"]
-    factor: float = 1.0
+    rope_type: Literal["linear", "llama3", "freq_factors"]
+    factor: float = 1.0  # linear, llama3
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    freq_factors: tuple[float, ...] | None = None  # freq_factors only: [head_dim // 2], each > 0
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3"):
-            raise ValueError(f"rope_scaling.rope_type must be 'linear' or 'llama3', got {self.rope_type!r}")
+        if self.rope_type not in ("linear", "llama3", "freq_factors"):
+            raise ValueError(f"rope_scaling.rope_type must be 'linear', 'llama3' or 'freq_factors', "
+                             f"got {self.rope_type!r}")
         if not 0 < self.factor < float("inf"):  # also false for NaN
             raise ValueError(f"rope_scaling.factor must be > 0 and finite, got {self.factor}")
+        if (self.freq_factors is not None) != (self.rope_type == "freq_factors"):
+            raise ValueError("rope_scaling.freq_factors must be given with rope_type 'freq_factors', and only then")
+        bad = [(i, f) for i, f in enumerate(self.freq_factors or ()) if not 0 < f < float("inf")]  # NaN too
+        if bad:
+            raise ValueError(f"rope_scaling.freq_factors (GGUF rope_freqs.weight) must each be > 0 and finite, "
+                             f"got {bad[0][1]} at index {bad[0][0]}")
         if self.rope_type != "llama3":
             return
         # rope_inv_freq divides by low_freq_factor and by high_freq_factor - low_freq_factor
@@ -120,6 +130,10 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         self._check_head_layout()
+        factors = self.rope_scaling.freq_factors if self.rope_scaling is not None else None
+        if factors is not None and len(factors) != self.head_dim // 2:  # one per rotated pair of dims
+            raise ValueError(f"rope_scaling.freq_factors (GGUF rope_freqs.weight) must hold head_dim // 2 = "
+                             f"{self.head_dim // 2} values, got {len(factors)}")
         for name in ("norm_eps", "rope_theta"):  # eps: 1 / sqrt(mean + eps); theta: the rotary base
             if not 0 < getattr(self, name) < float("inf"):  # also false for NaN
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")

@@ -12,12 +12,14 @@ from tinyserve.layers.direct_call import DirectCall
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with linear or llama3 scaling applied."""
+    """[head_dim // 2] float32 inverse frequencies, with linear, llama3 or per-frequency scaling applied."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "freq_factors":  # as ggml's rope divides each theta by its freq_factors entry
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)  # [head_dim // 2]
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor

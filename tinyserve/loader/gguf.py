@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format), read by loader/gguf_file.py and dequantized by the `gguf` library:
-hyper-parameters from the metadata, tensors dequantized to float32 one at a time (a large one by blocks
-of rows), renamed to Hugging Face's names, and llama.cpp's converter's changes undone: its Q/K row
-permutation (Llama, Mistral), so that the rotary layout is Hugging Face's again, and the 1 it adds to
-Gemma 3's norm weights (its converter writes 1 + w; our GemmaRMSNorm, as transformers', holds w)."""
+hyper-parameters from the metadata (and from the rope_freqs tensor: Llama 3.x's rotary scaling), tensors
+dequantized to float32 one at a time (a large one by blocks of rows), renamed to Hugging Face's names, and
+llama.cpp's converter's changes undone: its Q/K row permutation (Llama, Mistral), so that the rotary layout
+is Hugging Face's again, and the 1 it adds to Gemma 3's norm weights (its converter writes 1 + w; our
+GemmaRMSNorm, as transformers', holds w)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from tinyserve.loader.weights import NamedTensor, TensorSource
 _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
                   "gemma3": "gemma3"}
 _HIDDEN_ACTS = {"gpt2": "gelu_new", "gemma3": "gelu_pytorch_tanh"}  # the others: silu
+# read into ModelConfig.rope_scaling, not into a parameter; as llama.cpp, for the llama family only (another
+# family's file with it is refused: its tensor is unexpected)
+_ROPE_FREQS = "rope_freqs.weight"
 _SUPPORTED_TYPES = {
     getattr(gguf.GGMLQuantizationType, name)
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -89,7 +93,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
             norm_eps=get(norm_eps_key, float),
             head_dim=get("attention.key_length", int, 0) or None,  # absent or 0: hidden / heads (ModelConfig)
             rope_theta=get("rope.freq_base", float, 10000.0),
-            rope_scaling=_rope_scaling(reader, arch, tensor_names),
+            rope_scaling=_rope_scaling(reader, arch, family),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names or family == "gemma3",
@@ -150,10 +154,20 @@ def gguf_sampling_fields(reader: GGUFFile) -> dict[str, float | int | None]:
     return fields
 
 
-def _rope_scaling(reader: GGUFFile, arch: str, tensor_names: set[str]) -> RopeScaling | None:
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError("GGUF rope_freqs tensors (llama3 rope scaling in GGUF form) are not supported yet")
+def _rope_scaling(reader: GGUFFile, arch: str, family: str) -> RopeScaling | None:
+    """The metadata's linear scaling, or the rope_freqs tensor's per-frequency divisors (llama.cpp's converter
+    writes a Llama 3.x's llama3 scaling as that tensor, with no scaling type). llama.cpp would apply both where
+    a file has both; its converter writes one or the other, so such a file is refused, not guessed at."""
     kind = field(reader, f"{arch}.rope.scaling.type")
+    rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS and family == "llama"), None)
+    if rope_freqs is not None:
+        if kind not in (None, "none"):
+            raise ModelLoadError(f"GGUF has both a {_ROPE_FREQS} tensor and {arch}.rope.scaling.type {kind!r}; "
+                                 f"only one of them is supported")
+        # a bound before the values become a tuple: head_dim // 2 of the largest head_dim ModelConfig allows
+        if len(rope_freqs.shape) != 1 or rope_freqs.shape[0] > ModelConfig.MAX_SIZES["head_dim"] // 2:
+            raise ModelLoadError(f"GGUF tensor {_ROPE_FREQS!r} must be 1-d [head_dim // 2], got {rope_freqs.shape}")
+        return RopeScaling("freq_factors", freq_factors=tuple(float(f) for f in _dequantize(rope_freqs)))
     if kind in (None, "none"):
         return None
     if kind != "linear":
@@ -199,6 +213,8 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
     # converter's test for adding 1 does
     shifts_norms = family == "gemma3"
     for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS and family == "llama":  # read by gguf_model_config
+            continue
         hf_name = gguf_to_hf_name(family, tensor.name)
         if hf_name is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} is unexpected for architecture {arch!r}")
