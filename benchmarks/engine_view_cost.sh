@@ -2,8 +2,9 @@
 # What the web page's engine view costs the server (docs/PERFORMANCE.md, "The engine view's cost"): one
 # server, workloads A (1 stream, 8 prompts of 128, 128 out) and B (16 streams, 64 prompts of 256, 128 out),
 # each run with the page closed and with it "open": a poller fetching /engine/stats every POLL_S seconds
-# and parsing the JSON, as the page's poll() does (a browser's own rendering is the client's cost, not the
-# server's). The two modes alternate, ROUNDS rounds (first mode swapped each round); medians at the end.
+# and parsing the JSON, as the page's poll() does, over one kept-alive connection as a browser keeps it (a
+# browser's own rendering is the client's cost, not the server's; so is a new client per poll, whose TLS
+# context alone costs ~20 ms of CPU a poll here). The two modes alternate, ROUNDS rounds (first mode swapped each round); medians at the end.
 # Usage: benchmarks/engine_view_cost.sh [OUT_DIR] [extra serve flags]
 set -euo pipefail
 OUT=${1:-bench-results/engine-view}; shift || true
@@ -22,9 +23,9 @@ run() {  # mode round; each run draws its own prompts (a repeat would hit the pr
   [ "$1" = polling ] && seed=$((seed + 1))
   if [ "$1" = polling ]; then
     "$PY" -c "import sys, time, httpx  # engine_view_poller $PORT
-n = 0
+n, client = 0, httpx.Client(timeout=10)
 while True:
-    httpx.get('http://127.0.0.1:$PORT/engine/stats', timeout=10).json(); n += 1
+    client.get('http://127.0.0.1:$PORT/engine/stats').json(); n += 1
     print(n, flush=True); time.sleep($POLL_S)" > "$OUT/poller-$2.log" 2>&1 &
     poller=$!
   fi

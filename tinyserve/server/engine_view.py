@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import asdict
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from tinyserve.engine.recent_activity import ActivityWindow, StepRecord
 from tinyserve.engine.stats import EngineStats
@@ -77,8 +78,10 @@ def model_view(slot: ModelSlot, samples: CounterSamples, now: float) -> dict:
 
 
 @router.get("/engine/stats")
-async def engine_stats(request: Request) -> dict:
-    """Open, as /metrics is: it shows the same numbers, no request content."""
+async def engine_stats(request: Request) -> JSONResponse:
+    """Open, as /metrics is: it shows the same numbers, no request content. Returned as a JSONResponse:
+    the view holds only JSON types, so FastAPI's jsonable_encoder walk over it would be pure overhead
+    on the event loop (docs/PERFORMANCE.md, "The engine view's cost")."""
     state = server_state(request)
     samples: dict[str, CounterSamples] | None = getattr(request.app.state, "engine_view_samples", None)
     if samples is None:
@@ -86,4 +89,4 @@ async def engine_stats(request: Request) -> dict:
     now = time.monotonic()
     models = [model_view(slot, samples.setdefault(slot.name, CounterSamples()), now)
               for slot in state.registry.slots]
-    return {"phase": state.phase, "window_s": WINDOW_S, "models": models}
+    return JSONResponse({"phase": state.phase, "window_s": WINDOW_S, "models": models})
