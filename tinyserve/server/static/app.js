@@ -112,7 +112,8 @@ async function send(text) {
     model: $("model").value || undefined,
     messages: (system ? [{ role: "system", content: system }] : []).concat(conversation),
     stream: true, stream_options: { include_usage: true },
-    temperature: numberOr("temperature", 0.7), top_p: numberOr("top-p", 1),
+    // left empty, a sampling field is left out and the model's default applies (GET /v1/models shows it)
+    temperature: numberOr("temperature", undefined), top_p: numberOr("top-p", undefined),
     max_tokens: Math.round(numberOr("max-tokens", 256)),
   };
   controller = new AbortController();
