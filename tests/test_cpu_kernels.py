@@ -199,7 +199,8 @@ def test_float32_linear_takes_the_kernel_for_few_tokens_only(monkeypatch, tokens
 
 
 def test_the_build_is_named_by_its_sources_and_compiles_copies_of_them(tmp_path, monkeypatch):
-    """Two checkouts with the same kernels share a build; a changed kernel gets a build of its own."""
+    """Two checkouts with the same kernels share a build; a changed kernel gets a build of its own, and so
+    does another environment's torch (its include paths are in the compile commands)."""
     checkout = tmp_path / "checkout" / "csrc"
     checkout.parent.mkdir()
     shutil.copytree(cpu_kernels._CSRC, checkout)
@@ -207,7 +208,9 @@ def test_the_build_is_named_by_its_sources_and_compiles_copies_of_them(tmp_path,
     monkeypatch.setattr(cpu_kernels, "_CSRC", checkout)
     assert cpu_kernels.build_name() == same  # another path, the same sources
     (checkout / "fused_ops.cpp").write_text((checkout / "fused_ops.cpp").read_text() + "\n// changed\n")
-    assert cpu_kernels.build_name() != same
+    assert (changed := cpu_kernels.build_name()) != same
+    monkeypatch.setattr(cpu_kernels.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert cpu_kernels.build_name() != changed
     build_dir = tmp_path / "build"
     build_dir.mkdir()
     staged = cpu_kernels._staged_sources(build_dir)

@@ -12,9 +12,10 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
 They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES), by `make setup` (`python -m
 tinyserve.layers.cpu_kernels`), else by the first process that needs them: g++ and ninja compile every
 source, and later processes load the cached library from ~/.cache/torch_extensions (or
-$TORCH_EXTENSIONS_DIR). The build is named by a hash of the sources, flags and torch version, and
-compiles copies of the sources kept beside it, so checkouts with the same kernels share one build and a
-changed kernel gets its own (torch keys a build by name and recompiles whenever the source paths change).
+$TORCH_EXTENSIONS_DIR). The build is named by a hash of the sources, flags and torch install, and
+compiles copies of the sources kept beside it, so checkouts with the same kernels and environment share one
+build and a changed kernel gets its own (torch keys a build by name and recompiles whenever the source paths
+change).
 Build and load times: docs/PERFORMANCE.md, "Numbers behind the code's comments".
 """
 
@@ -64,8 +65,10 @@ def _exclusive_build(name: str) -> Iterator[None]:
 
 
 def build_name() -> str:
-    """The build's name: a hash of every source and header, the flags and torch's version."""
-    digest = hashlib.sha256(f"{_CFLAGS} {torch.__version__}".encode())
+    """The build's name: a hash of every source and header, the flags, torch's version and its folder. The
+    folder because the compile commands name its include paths, and ninja rebuilds every object whose
+    command changed: two environments (two checkouts' venvs) sharing one build rebuilt it at every switch."""
+    digest = hashlib.sha256(f"{_CFLAGS} {torch.__version__} {Path(torch.__file__).resolve().parent}".encode())
     for source in sorted(_CSRC.iterdir()):
         if source.suffix in (".cpp", ".h"):
             digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
