@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve generate test test-reliability test-all
+.PHONY: setup serve generate test test-reliability test-all bench
 
 setup: $(VENV)/.installed
 
@@ -38,3 +38,9 @@ test-reliability: setup
 
 test-all: setup
 	$(VENV)/bin/pytest -q -m ''
+
+# before a change lands: workloads A and B, this working tree against BASE (a commit; default HEAD), side by
+# side in one run, with the ratios (docs/PERFORMANCE.md, "The standard benchmark")
+BASE ?= HEAD
+bench: setup
+	benchmarks/ab_baseline.sh $(BASE)

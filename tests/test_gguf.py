@@ -52,8 +52,9 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None):
-    """model as llama.cpp's converter writes it; edit(writer) may then overwrite metadata (forged files)."""
+def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None, types=None):
+    """model as llama.cpp's converter writes it, its matrices in qtype (or types[GGUF name], a K-quant-like
+    mix), the rest in F32; edit(writer) may then overwrite metadata (forged files)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -76,7 +77,7 @@ def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None):
         gname = _gguf_name(name)
         if gname in drop:
             continue
-        kind = qtype if w.ndim == 2 else Q.F32
+        kind = (types or {}).get(gname, qtype) if w.ndim == 2 else Q.F32
         data = w if kind == Q.F32 else gguf.quants.quantize(w, kind)
         writer.add_tensor(gname, data, raw_dtype=None if kind == Q.F32 else kind)
     writer.write_header_to_file()

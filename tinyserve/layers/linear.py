@@ -10,6 +10,7 @@ kernel or oneDNN (pack_linear_weights) and `--quantization` gives int codes (qua
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +21,8 @@ from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.quant import Int4Weight, Int8Weight
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(DirectCall, nn.Linear):
@@ -33,6 +36,9 @@ class Linear(DirectCall, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, is_lm_head: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.is_lm_head = is_lm_head  # set by the model that builds its head: quantized to int8 in both modes
+        # bits per weight its checkpoint stored it at, the most over a merged one's shards (set by the loader;
+        # None: float or unknown): int4 mode quantizes a matrix stored at more than 4 bits to int8
+        self.stored_bits: int | None = None
         self.use_dense_weight()
 
     def use_dense_weight(self) -> None:
@@ -130,6 +136,10 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     bfloat16. Why int8 there: in int4 it was faster still but cost perplexity (docs/PERFORMANCE.md,
     "Speed modes"). The default GGUF stores it as Q8_0, so int8 keeps its exact values.
 
+    In int4 mode a Linear whose checkpoint stored it at more than 4 bits (`stored_bits`: a K-quant mix's
+    Q5_0 / Q6_K / Q8_0 tensors) is quantized to int8 too: the file's own choice of precision per tensor,
+    kept as llama.cpp keeps it. A float checkpoint made no such choice: its matrices all go to int4.
+
     Without our C++ kernels (logged by cpu_kernels) the weights become the dequantized values and run
     through the float path: the same model, slower.
     """
@@ -139,8 +149,12 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
 def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> Iterator[None]:
     """quantize_linear_weights, yielding after each module (a load in pieces: loader/model_loader.py)."""
     int_kernels = ops.has_cpu_kernels()
+    num_linears = num_kept_at_int8 = 0
     for module in _dense_heads_and_linears(model):
-        fmt = Int4Weight if quantization == "int4" and not module.is_lm_head else Int8Weight
+        fmt = _int_format(module, quantization)
+        if not module.is_lm_head:
+            num_linears += 1
+            num_kept_at_int8 += quantization == "int4" and fmt is Int8Weight
         quantized, dequantized = fmt.quantize(module.weight.detach())
         if not int_kernels:
             module.weight.data.copy_(dequantized)
@@ -152,3 +166,13 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
                 owner.weight_format = quantized
             owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
         yield
+    if num_kept_at_int8:
+        logger.info("int4: %d of %d linears kept at int8 (the file stores them at 5-8 bits)",
+                    num_kept_at_int8, num_linears)
+
+
+def _int_format(module: Linear | TiedLMHead, quantization: str) -> type[Int4Weight] | type[Int8Weight]:
+    if quantization == "int8" or module.is_lm_head:
+        return Int8Weight
+    stored_bits = module.stored_bits
+    return Int8Weight if stored_bits is not None and stored_bits > 4 else Int4Weight

@@ -28,9 +28,12 @@ _HIDDEN_ACTS = {"gpt2": "gelu_new", "gemma3": "gelu_pytorch_tanh"}  # the others
 # read into ModelConfig.rope_scaling, not into a parameter; as llama.cpp, for the llama family only (another
 # family's file with it is refused: its tensor is unexpected)
 _ROPE_FREQS = "rope_freqs.weight"
-_SUPPORTED_TYPES = {
-    getattr(gguf.GGMLQuantizationType, name)
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# each supported tensor type -> the bits of its codes (TensorSource.stored_bits; None: a float type). A K-quant
+# mix (Q4_K_M) keeps some tensors at 5-8 bits on purpose; `--quantization int4` keeps those at int8.
+_STORED_BITS = {
+    getattr(gguf.GGMLQuantizationType, name): bits
+    for name, bits in (("F32", None), ("F16", None), ("BF16", None), ("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4),
+                       ("Q5_0", 5), ("Q5_1", 5), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6))
 }
 
 
@@ -185,7 +188,7 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _dequantize(tensor: GGUFTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
     """The tensor's values, or those of its rows [start, stop) alone (its data's first axis is its rows)."""
-    if tensor.tensor_type not in _SUPPORTED_TYPES:
+    if tensor.tensor_type not in _STORED_BITS:
         raise ModelLoadError(f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}")
     data, shape = tensor.data, tensor.shape
     if rows is not None:
@@ -205,8 +208,9 @@ def _float32_tensor(w: np.ndarray) -> torch.Tensor:
 
 
 def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]:
-    """Yield (Hugging Face name, producer of a float32 CPU tensor) for every tensor in the file. A tensor
-    whose rows llama.cpp did not permute can also be read by blocks of rows (TensorSource.read_rows)."""
+    """Yield (Hugging Face name, producer of a float32 CPU tensor) for every tensor in the file, with the bits
+    its type stores (TensorSource.stored_bits). A tensor whose rows llama.cpp did not permute can also be
+    read by blocks of rows (TensorSource.read_rows)."""
     arch, family = gguf_architecture(reader)
     permute = arch in ("llama", "mistral")  # llama.cpp permutes Q/K only for these
     # Gemma's norms (input, post-attention, pre/post-FFN, q/k, final) all end in norm.weight, as the
@@ -236,4 +240,4 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
 
         # the norms are vectors, read whole: only matrices are read by blocks of rows
         rows = read_rows if num_heads is None and not shift else None
-        yield hf_name, TensorSource(tensor.shape, produce, rows)
+        yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type))

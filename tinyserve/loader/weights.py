@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tinyserve.layers.linear import MergedLinear
+from tinyserve.layers.linear import Linear, MergedLinear
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.names import to_param_name
 
@@ -33,11 +33,15 @@ PIECE_VALUES = 1 << 21
 @dataclass(frozen=True)
 class TensorSource:
     """A checkpoint tensor not read yet: its shape as it will be produced, from the file's header, and
-    how to read it: whole, or (`read_rows`, where the file can) rows [start, stop) of it alone."""
+    how to read it: whole, or (`read_rows`, where the file can) rows [start, stop) of it alone.
+    `stored_bits`: the bits per weight of the codes the file stores it in, where the file chose a quantized
+    type for it (a GGUF's Q8_0: 8, Q6_K: 6, Q4_K: 4); None for a float tensor, which made no such choice. A
+    Linear that receives its weight keeps it (Linear.stored_bits) for `--quantization int4`."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     read_rows: Callable[[int, int], torch.Tensor] | None = None
+    stored_bits: int | None = None
 
     def __call__(self) -> torch.Tensor:
         return self.read()
@@ -57,14 +61,16 @@ def _expected_slots(model: nn.Module) -> dict[tuple[str, int | None], str]:
     return slots
 
 
-def _target(model: nn.Module, param_name: str, shard: int | None) -> torch.Tensor:
+def _target(model: nn.Module, param_name: str, shard: int | None) -> tuple[torch.Tensor, Linear | None]:
+    """The parameter (or the shard of one) that a tensor fills, and the Linear whose weight that is, if any."""
     module_name, _, attr = param_name.rpartition(".")
     module = model.get_submodule(module_name)
     param = getattr(module, attr)
+    linear = module if isinstance(module, Linear) and attr == "weight" else None
     if shard is None:
-        return param.data
+        return param.data, linear
     start, size = module.shard_offset(shard)
-    return param.data.narrow(0, start, size)
+    return param.data.narrow(0, start, size), linear
 
 
 def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor) -> None:
@@ -72,8 +78,8 @@ def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor) -> 
         raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")
 
 
-# (name, producer, the parameter or the shard of one that the tensor fills)
-Match = tuple[str, Callable[[], torch.Tensor], torch.Tensor]
+# (name, producer, the parameter or the shard of one that the tensor fills, the Linear whose weight it is)
+Match = tuple[str, Callable[[], torch.Tensor], torch.Tensor, Linear | None]
 
 
 def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
@@ -91,11 +97,11 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
         if (param_name, shard) not in missing:
             seen = "loaded twice" if param_name in dict(model.named_parameters()) else "unexpected"
             raise ModelLoadError(f"tensor {hf_name!r} is {seen} for {type(model).__name__}")
-        target = _target(model, param_name, shard)
+        target, linear = _target(model, param_name, shard)
         if isinstance(produce, TensorSource):
             _check_shape(hf_name, produce.shape, target)
         del missing[(param_name, shard)]
-        matched.append((hf_name, produce, target))
+        matched.append((hf_name, produce, target, linear))
     if missing:
         names = sorted(missing.values())
         more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
@@ -106,8 +112,11 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
                            ignore: Callable[[str], bool] = lambda _: False) -> Iterator[None]:
     """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
-    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows."""
-    for hf_name, produce, target in match_tensors(model, tensors, ignore):
+    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows.
+    A Linear's `stored_bits` becomes the most its weight's tensors (the shards of a merged one) are stored at."""
+    for hf_name, produce, target, linear in match_tensors(model, tensors, ignore):
+        if linear is not None and isinstance(produce, TensorSource) and produce.stored_bits is not None:
+            linear.stored_bits = max(produce.stored_bits, linear.stored_bits or 0)
         read_rows = produce.read_rows if isinstance(produce, TensorSource) else None
         if read_rows is None or target.dim() < 2 or target.numel() <= PIECE_VALUES:
             _copy(hf_name, produce(), target)

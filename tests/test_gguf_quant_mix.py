@@ -1,0 +1,128 @@
+"""`--quantization int4` on a GGUF with a K-quant-like mix of tensor types: a linear the file stores at more
+than 4 bits (Q5_0, Q5_1, Q8_0; Q5_K, Q6_K) is quantized to int8, one stored at 4 bits (Q4_0, Q4_1, Q4_K) or
+in a float type to int4; a merged linear goes to int8 if any shard is stored above 4 bits. A tiny random Llama
+written with a chosen type per tensor, loaded in each mode, checked against a table written here."""
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_gguf import _gguf_name, _k_quant_bytes, _write
+
+from tinyserve.engine.reference import forward_sequence
+from tinyserve.layers import ops
+from tinyserve.layers.linear import Linear, TiedLMHead
+from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.model_loader import build_model
+
+transformers = pytest.importorskip("transformers")
+
+needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(),
+                                       reason="without our C++ kernels int weights stay dense (dequantized)")
+
+# GGUF name -> type, as a Q4_K_M file mixes them (gguf-py cannot quantize to K-quants; their bits are checked
+# one tensor at a time below). Layer 0's q and k are 4-bit and its v 8-bit: the merged qkv goes to int8.
+MIX = {
+    "blk.0.attn_q.weight": Q.Q4_0, "blk.0.attn_k.weight": Q.Q4_1, "blk.0.attn_v.weight": Q.Q8_0,
+    "blk.0.attn_output.weight": Q.Q4_0, "blk.0.ffn_gate.weight": Q.Q4_1, "blk.0.ffn_up.weight": Q.Q4_0,
+    "blk.0.ffn_down.weight": Q.Q5_0,
+    "blk.1.attn_q.weight": Q.Q4_0, "blk.1.attn_k.weight": Q.Q4_0, "blk.1.attn_v.weight": Q.Q4_1,
+    "blk.1.attn_output.weight": Q.Q8_0, "blk.1.ffn_gate.weight": Q.Q5_1, "blk.1.ffn_up.weight": Q.Q4_1,
+    "blk.1.ffn_down.weight": Q.F16,
+    "token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0,  # the head: int8 in both modes, whatever its type
+}
+# our module -> its format under --quantization int4
+INT4_MIX_FORMATS = {
+    "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.0.self_attn.o_proj": Int4Weight,
+    "model.layers.0.mlp.gate_up_proj": Int4Weight, "model.layers.0.mlp.down_proj": Int8Weight,
+    "model.layers.1.self_attn.qkv_proj": Int4Weight, "model.layers.1.self_attn.o_proj": Int8Weight,
+    "model.layers.1.mlp.gate_up_proj": Int8Weight, "model.layers.1.mlp.down_proj": Int4Weight,
+    "lm_head": Int8Weight,
+}
+
+
+@pytest.fixture(scope="module")
+def hf_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def mixed_path(tmp_path_factory, hf_llama):
+    return _write(tmp_path_factory.mktemp("mix") / "mixed.gguf", hf_llama, types=MIX)
+
+
+def _build(path, dtype=torch.bfloat16, quantization=None):
+    reader = open_gguf(path)
+    config = gguf_model_config(reader)
+    return build_model(config, gguf_tensors(reader, config), dtype, torch.device("cpu"), quantization=quantization)
+
+
+def _formats(model) -> dict[str, type]:
+    return {name: type(m.weight_format) for name, m in model.named_modules() if isinstance(m, (Linear, TiedLMHead))}
+
+
+def test_each_tensor_carries_the_bits_its_type_stores(mixed_path):
+    reader = open_gguf(mixed_path)
+    by_name = {t.name: t for t in reader.tensors}
+    bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.F16: None, Q.F32: None}
+    sources = dict(gguf_tensors(reader, gguf_model_config(reader)))
+    for hf_name, source in sources.items():
+        assert source.stored_bits == bits[by_name[_gguf_name(hf_name)].tensor_type], hf_name
+
+
+@pytest.mark.parametrize("qtype, bits", [(Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6)])
+def test_k_quant_tensors_carry_their_bits(tmp_path, qtype, bits):
+    path = tmp_path / f"k-{qtype.name}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", _k_quant_bytes(qtype, 8, 512, np.random.default_rng(0)), raw_dtype=qtype)
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    [(_, source)] = list(gguf_tensors(open_gguf(path), None))
+    assert source.stored_bits == bits
+
+
+@needs_int_kernels
+def test_int4_keeps_the_linears_the_file_stores_above_4_bits_at_int8(mixed_path, caplog):
+    with caplog.at_level(logging.INFO, logger="tinyserve.layers.linear"):
+        model = _build(mixed_path, quantization="int4")
+    assert _formats(model) == INT4_MIX_FORMATS
+    assert caplog.messages.count("int4: 4 of 8 linears kept at int8 (the file stores them at 5-8 bits)") == 1
+    # layer 0's v shard (Q8_0) keeps the file's values exactly: int8 requantizes Q8_0 to its own codes
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    start, size = qkv.shard_offset(2)
+    stored = _build(mixed_path, dtype=torch.float32).model.layers[0].self_attn.qkv_proj.weight[start:start + size]
+    assert torch.equal(qkv.weight_format.rows(torch.arange(start, start + size)), stored)
+
+
+@needs_int_kernels
+def test_a_float_gguf_goes_to_int4_everywhere_but_the_head(tmp_path, hf_llama):
+    """A float file chose no precision per tensor: the user's int4 applies to every block linear."""
+    model = _build(_write(tmp_path / "f32.gguf", hf_llama), quantization="int4")
+    assert _formats(model) == {name: Int8Weight if name == "lm_head" else Int4Weight for name in INT4_MIX_FORMATS}
+
+
+@needs_int_kernels
+def test_int8_mode_is_int8_everywhere(mixed_path):
+    assert _formats(_build(mixed_path, quantization="int8")) == dict.fromkeys(INT4_MIX_FORMATS, Int8Weight)
+
+
+@needs_int_kernels
+def test_mixed_int4_model_computes_its_mixed_quantized_values(mixed_path):
+    """The logits of the int4 load against float32: the file's dequantized values, each linear then set to
+    the values of its format in the table (as tests/test_quant.py checks a uniform mode)."""
+    model = _build(mixed_path, quantization="int4")
+    reference = _build(mixed_path, dtype=torch.float32)
+    for name, fmt in INT4_MIX_FORMATS.items():
+        weight = reference.get_submodule(name).weight
+        weight.data.copy_(fmt.quantize(weight)[1])
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got, exact = forward_sequence(model, ids), forward_sequence(reference, ids)
+    assert (got - exact).abs().max() <= 0.05 * exact.abs().max()
