@@ -5,8 +5,9 @@ Both are computed one token per step, as decoding computes them: a quantized mod
 steps of at most a few tokens (layers/quant.py), so that is the path a stream's tokens come from; decode
 attention runs in the engine's C++ kernel (layers/ops.py) in every mode but the reference.
 
-- agreement: per prompt, 64 greedy tokens (chat template, ignore EOS); "same tokens" is the share of
-  all tokens before each prompt's first divergence from float32, "identical" counts prompts with all 64.
+- agreement: per prompt, 64 greedy tokens (chat template where the model has one, ignore EOS); "same
+  tokens" is the share of all tokens before each prompt's first divergence from float32, "identical"
+  counts prompts with all 64.
 - perplexity: exp(mean negative log-likelihood) of the text's tokens after the first.
 
     .venv/bin/python benchmarks/quality.py --result-file benchmarks/results/quality.json
@@ -51,16 +52,20 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--result-file", type=Path, default=None)
+    parser.add_argument("--modes", default="float32,bfloat16,int8,int4",
+                        help="which rows, comma-separated (float32, the reference, always runs first)")
     args = parser.parse_args()
+    wanted = {"float32", *args.modes.split(",")}
     records, reference = [], None
     print("| mode | identical prompts | same tokens before divergence | perplexity | vs float32 |")
     print("|---|---:|---:|---:|---:|")
-    for dtype, quantization in MODES:
+    for dtype, quantization in [mode for mode in MODES if (mode[1] or mode[0]) in wanted]:
         start = time.perf_counter()
         loaded = load_model(args.model, dtype, "cpu", quantization)
         tokenizer = loaded.tokenizer
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-                   for p in PROMPTS]
+        # a base model's file has no chat template (Gemma 3 270M): its prompts are the questions as text
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                                    if tokenizer.chat_template else p) for p in PROMPTS]
         # The speed modes decode as the engine does (our C++ decode attention on CPU); the float32
         # reference keeps the plain torch ops.
         device, model_dtype = device_and_dtype(loaded.model)

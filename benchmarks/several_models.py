@@ -1,7 +1,8 @@
 """Several models in one server (docs/PERFORMANCE.md, "Several models"), in-process on the default GGUF:
 
 1. throughput: one model busy with C streams, then two models (the same file under two names, two engines
-   on the one step thread) busy with C streams each: output tokens/s of each and in total;
+   on the one step thread) busy with C streams each: output tokens/s of each and in total, and the ratio
+   two / one of each round (the rounds interleave the two, so a round's ratio sees one machine state);
 2. load time of the model (build + warm-up) and RSS returned by an admin unload;
 3. swap under load: C clients send requests back to back to model `a`, and a prober sends a short one
    every 0.5 s; after --before-s the model is swapped to the same file (a new load of the same size):
@@ -144,6 +145,8 @@ def main() -> None:
                                               ("one_model", ["a"], args.concurrency),
                                               ("one_model_2c", ["a"], 2 * args.concurrency)):
                 result[name].append(asyncio.run(_throughput(srv.base_url, models, concurrency, args.output_len)))
+        ratios = [two["tok_s"] / one["tok_s"] for two, one in zip(result["two_models"], result["one_model"])]
+        result["two_vs_one"] = {"per_round": [round(r, 3) for r in ratios], "median": round(statistics.median(ratios), 3)}
         memory, rss = registry.resolve("b").memory_bytes, _rss()
         asyncio.run(_unload(srv.base_url, "b"))
         result["unload_model_mib"], result["unload_rss_drop_mib"] = memory >> 20, (rss - _rss()) >> 20
