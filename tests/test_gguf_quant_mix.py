@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf import _gguf_name, _k_quant_bytes, _write
+from test_gguf import _gguf_name, _k_quant_bytes, _write, tiny_llama  # tiny_llama: its random HF Llama (a fixture)
 
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.layers import ops
@@ -19,7 +19,6 @@ from tinyserve.layers.quant import Int4Weight, Int8Weight
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 
-transformers = pytest.importorskip("transformers")
 
 needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(),
                                        reason="without our C++ kernels int weights stay dense (dequantized)")
@@ -46,18 +45,8 @@ INT4_MIX_FORMATS = {
 
 
 @pytest.fixture(scope="module")
-def hf_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def mixed_path(tmp_path_factory, hf_llama):
-    return _write(tmp_path_factory.mktemp("mix") / "mixed.gguf", hf_llama, types=MIX)
+def mixed_path(tmp_path_factory, tiny_llama):
+    return _write(tmp_path_factory.mktemp("mix") / "mixed.gguf", tiny_llama, types=MIX)
 
 
 def _build(path, dtype=torch.bfloat16, quantization=None):
@@ -103,9 +92,9 @@ def test_int4_keeps_the_linears_the_file_stores_above_4_bits_at_int8(mixed_path,
 
 
 @needs_int_kernels
-def test_a_float_gguf_goes_to_int4_everywhere_but_the_head(tmp_path, hf_llama):
+def test_a_float_gguf_goes_to_int4_everywhere_but_the_head(tmp_path, tiny_llama):
     """A float file chose no precision per tensor: the user's int4 applies to every block linear."""
-    model = _build(_write(tmp_path / "f32.gguf", hf_llama), quantization="int4")
+    model = _build(_write(tmp_path / "f32.gguf", tiny_llama), quantization="int4")
     assert _formats(model) == {name: Int8Weight if name == "lm_head" else Int4Weight for name in INT4_MIX_FORMATS}
 
 
