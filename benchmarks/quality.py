@@ -56,6 +56,8 @@ def main() -> None:
                         help="which rows, comma-separated (float32, the reference, always runs first)")
     args = parser.parse_args()
     wanted = {"float32", *args.modes.split(",")}
+    if unknown := wanted - {quantization or dtype for dtype, quantization in MODES}:
+        parser.error(f"unknown modes {sorted(unknown)}")
     records, reference = [], None
     print("| mode | identical prompts | same tokens before divergence | perplexity | vs float32 |")
     print("|---|---:|---:|---:|---:|")
