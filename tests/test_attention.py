@@ -51,12 +51,12 @@ def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HE
         slots.append(seq_slots[cached:])
         q_parts.append(q[cached:]); k_new.append(k[cached:]); v_new.append(v[cached:])
     meta = AttentionMetadata.build(
-        torch.cat(slots).tolist(), tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size=block,
+        [torch.cat(slots).tolist()], [tables], [c + n for c, n in seqs], [n for _, n in seqs], block_size=block,
         num_blocks=num_blocks, num_heads=heads, num_kv_heads=kv_heads, device=torch.device("cpu"),
-        decode_kernel=decode_kernel, kv_caches=[cache], sliding_windows=(window,),
+        decode_kernel=decode_kernel, kv_caches=[cache], group_windows=[(window,)],
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
-    write_kv(cache, k_step, v_step, meta.slot_mapping)
+    write_kv(cache, k_step, v_step, meta.groups[0].slot_mapping)
     return cache, meta, torch.cat(q_parts), k_step, v_step, full
 
 
@@ -84,7 +84,7 @@ def test_paged_equals_reference_and_dense(seqs, decode_kernel, window):
     """Window 5 over blocks of 4 starts mid-block; window 1 is each token alone."""
     cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window)
     scale = HEAD_DIM**-0.5
-    ours = paged_attention(q, cache, meta, scale, k, v, window)
+    ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v, window)
     ref = reference_paged_attention(q, cache, meta, scale, window)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     start = 0
@@ -99,7 +99,7 @@ def test_bfloat16_close_to_float32_reference(decode_kernel):
     seqs = [(9, 1), (2, 1), (40, 1), (0, 11), (6, 7)]
     cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=3, decode_kernel=decode_kernel)
     scale = HEAD_DIM**-0.5
-    ours = paged_attention(q, cache, meta, scale, k, v).float()
+    ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v).float()
     ref = reference_paged_attention(q, cache, meta, scale).float()
     assert (ours - ref).abs().max().item() < 3e-2
 
@@ -113,7 +113,7 @@ def test_bfloat16_decode_kernel_at_model_sizes(block, heads, head_dim):
     cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=block + head_dim, decode_kernel=True, heads=heads,
                                      kv_heads=3, head_dim=head_dim, block=block)
     scale = head_dim**-0.5
-    ours = paged_attention(q, cache, meta, scale, k, v).float()
+    ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v).float()
     ref = reference_paged_attention(q, cache, meta, scale).float()
     assert (ours - ref).abs().max().item() < 2e-2
 
@@ -139,11 +139,11 @@ def test_a_window_reads_no_block_before_it(decode_kernel):
     cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window)
     for i, (cached, _) in enumerate(seqs):
         for b in range(max(0, cached + 1 - window) // BLOCK):
-            if meta.block_tables[i, b] == 0:
+            if meta.groups[0].block_tables[i, b] == 0:
                 continue
-            cache.key[:, meta.block_tables[i, b]] = float("nan")
-            cache.value[:, meta.block_tables[i, b]] = float("nan")
-    ours = paged_attention(q, cache, meta, HEAD_DIM**-0.5, k, v, window)
+            cache.key[:, meta.groups[0].block_tables[i, b]] = float("nan")
+            cache.value[:, meta.groups[0].block_tables[i, b]] = float("nan")
+    ours = paged_attention(q, cache, meta, meta.groups[0], HEAD_DIM**-0.5, k, v, window)
     start = 0
     for (cached, new), (fq, fk, fv) in zip(seqs, full):
         dense = _dense_causal(fq, fk, fv, HEAD_DIM**-0.5, window)[cached:]
@@ -161,10 +161,10 @@ def test_decode_kernel_with_a_window_against_dense(window, dtype):
     cache, meta, q, k, v, full = _build(seqs, dtype, seed=window, decode_kernel=True, window=window)
     for i, (cached, _) in enumerate(seqs):
         for p in range(max(0, cached + 1 - window)):
-            block = meta.block_tables[i, p // BLOCK]
+            block = meta.groups[0].block_tables[i, p // BLOCK]
             cache.key[:, block, p % BLOCK] = float("nan")
             cache.value[:, block, p % BLOCK] = float("nan")
-    ours = cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.block_tables, meta.seq_lens,
+    ours = cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.groups[0].block_tables, meta.seq_lens,
                                               HEAD_DIM**-0.5, window).float()
     dense = torch.stack([_dense_causal(fq.float(), fk.float(), fv.float(), HEAD_DIM**-0.5, window)[-1]
                          for fq, fk, fv in full])
@@ -185,13 +185,13 @@ def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
     assert decode_group_bounds([9] * 100) == [(0, 25), (25, 50), (50, 75), (75, 100)]
     seqs = [(c, 1) for c in range(95, 15, -2)]
     _, meta, *_ = _build(seqs, torch.float32)
-    assert [(g.start, g.end) for g in meta.decode_groups[None]] == [(0, 20), (20, 40)]
+    assert [(g.start, g.end) for g in meta.groups[0].decode_groups[None]] == [(0, 20), (20, 40)]
     # each group is padded to its own longest sequence (96 and 56 tokens), not to the step's longest
-    assert meta.decode_groups[None][0].bias.shape == (20, 1, 96)
-    assert meta.decode_groups[None][1].bias.shape == (20, 1, 56)
+    assert meta.groups[0].decode_groups[None][0].bias.shape == (20, 1, 96)
+    assert meta.groups[0].decode_groups[None][1].bias.shape == (20, 1, 56)
     # with a window of 5, each sequence gathers only the 2 blocks of 4 that its 5 keys can span
     _, meta, *_ = _build(seqs, torch.float32, window=5)
-    assert [g.bias.shape for g in meta.decode_groups[5]] == [(20, 1, 8), (20, 1, 8)]
+    assert [g.bias.shape for g in meta.groups[0].decode_groups[5]] == [(20, 1, 8), (20, 1, 8)]
 
 
 def test_the_decode_plan_is_complete_before_the_forward():
@@ -199,19 +199,19 @@ def test_the_decode_plan_is_complete_before_the_forward():
     their value bags (one bag per kv head, sequence and query head of its group), and nothing can be set."""
     seqs = [(c, 1) for c in range(40, 0, -1)]
     _, meta, *_ = _build(seqs, torch.float32)
-    for group in meta.decode_groups[None]:
+    for group in meta.groups[0].decode_groups[None]:
         num_seqs, width = group.end - group.start, group.bias.shape[-1]
         assert group.value_bags.numel() == KV_HEADS * num_seqs * (HEADS // KV_HEADS) * width
         assert group.value_bag_offsets.tolist() == list(range(0, group.value_bags.numel(), width))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        meta.decode_groups[None][0].value_bags = None
+        meta.groups[0].decode_groups[None][0].value_bags = None
 
 
 def _kernel_inputs(with_meta=False):
     """Valid inputs for the C++ decode kernel, called directly (no metadata checks in front of it)."""
     seqs = [(9, 1), (4, 1), (0, 1)]  # 10, 5 and 1 tokens: 3, 2 and 1 blocks of 4
     cache, meta, q, *_ = _build(seqs, torch.float32, decode_kernel=True)
-    inputs = q, cache, meta.block_tables.clone(), meta.seq_lens.clone()
+    inputs = q, cache, meta.groups[0].block_tables.clone(), meta.seq_lens.clone()
     return (*inputs, meta) if with_meta else inputs
 
 
@@ -271,7 +271,7 @@ def test_metadata_refuses_tables_outside_the_pool(decode_kernel, fault):
         slots[0] = 4 * BLOCK
 
     def build():
-        return AttentionMetadata.build(slots, block_tables, seq_lens, [1, 1], block_size=BLOCK, num_blocks=4,
+        return AttentionMetadata.build([slots], [block_tables], seq_lens, [1, 1], block_size=BLOCK, num_blocks=4,
                                        num_heads=HEADS, num_kv_heads=KV_HEADS, device=torch.device("cpu"),
                                        decode_kernel=decode_kernel, kv_caches=[])
 

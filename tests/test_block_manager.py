@@ -192,7 +192,7 @@ def test_cache_salt_separates_tenants_and_none_keeps_the_unsalted_chain(bm):
     # None is the shared cache, hashed exactly as before salts existed: the chain from the seed's root
     root = hashlib.sha256(b"tinyserve-prefix-cache:toy-model").digest()
     first = hash_block(root, tokens[:4])
-    assert bm._block_hashes[:2] == [first, hash_block(first, tokens[4:8])]
+    assert bm._block_hashes[:2] == [(0, first), (0, hash_block(first, tokens[4:8]))]  # (group, hash)
     salted = Request("s", tokens, SamplingParams(), cache_salt="tenant-1")
     assert bm.get_computed_prefix(salted) == 0
     admit(bm, salted)
@@ -211,36 +211,46 @@ def test_prefix_caching_disabled_never_hashes():
 
 
 class Simulation:
-    """Drives a BlockManager like a scheduler would and mirrors the KV contents, so a wrong prefix hit or
-    a write into a shared block shows up as a content mismatch."""
+    """Drives a BlockManager like a scheduler would and mirrors the KV contents of each group's blocks, so a
+    wrong prefix hit, a write into a shared block or a window block released too early shows up as a content
+    mismatch."""
 
     PREFIXES = [list(range(i * 100, i * 100 + 12)) for i in range(3)]
 
-    def __init__(self, seed: int, num_blocks: int = 16):
+    def __init__(self, seed: int, num_blocks: int = 16, group_windows: tuple = (None,)):
         self.rng = random.Random(seed)
-        self.bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True, hash_seed="sim")
+        self.bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True, hash_seed="sim",
+                               group_windows=group_windows)
         self.live: dict[str, Request] = {}
         self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id whose K/V it holds
         self.next_id = 0
         self.num_hits = 0
+        self.num_failed_forks = 0
+        self.num_checks_with_releases = 0  # checks that saw a live request holding released entries
 
     def new_id(self) -> str:
         self.next_id += 1
         return f"r{self.next_id}"
 
     def write(self, request: Request, num_new: int) -> None:
-        table = self.bm.block_table(request)
         start = request.num_computed_tokens
-        for pos in range(start, start + num_new):
-            block_id = table[pos // BLOCK_SIZE]
-            assert self.bm.ref_count(block_id) == 1, "write into a shared block"
-            self.kv[(block_id, pos % BLOCK_SIZE)] = request.all_token_ids[pos]
+        for group, table in enumerate(request.block_tables):
+            assert request.num_released_blocks[group] <= start // BLOCK_SIZE, "a write into a released entry"
+            for pos in range(start, start + num_new):
+                block_id = table[pos // BLOCK_SIZE]
+                assert self.bm.ref_count(block_id) == 1, "write into a shared block"
+                self.kv[(block_id, pos % BLOCK_SIZE)] = request.all_token_ids[pos]
         compute(self.bm, request, num_new)
 
     def check_reused(self, request: Request) -> None:
-        table = self.bm.block_table(request)
-        for pos in range(request.num_computed_tokens):
-            assert self.kv[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] == request.all_token_ids[pos]
+        """Every position the next step reads holds the request's own token."""
+        computed = request.num_computed_tokens
+        for group, (table, released) in enumerate(zip(request.block_tables, request.num_released_blocks)):
+            window = self.bm.group_windows[group]
+            first = 0 if window is None else max(0, computed + 1 - window)
+            assert released * BLOCK_SIZE <= first, "a block the next query reads was released"
+            for pos in range(first, computed):
+                assert self.kv[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] == request.all_token_ids[pos]
 
     def op_new(self) -> None:
         prefix = self.rng.choice(self.PREFIXES)[: self.rng.randint(0, 12)]
@@ -259,12 +269,16 @@ class Simulation:
             request.output_token_ids.append(self.rng.randrange(5))
         num_new = self.rng.randint(1, request.num_tokens - request.num_computed_tokens)
         if self.bm.allocate_slots(request, num_new):
+            self.check_reused(request)
             self.write(request, num_new)
 
     def op_fork(self, parent: Request) -> None:
         child = make_request(self.new_id(), parent.all_token_ids)
         num_blocks = self.rng.randint(0, min(parent.num_computed_tokens, child.num_tokens - 1) // BLOCK_SIZE)
-        self.bm.fork(parent, child, num_blocks)
+        if not self.bm.fork(parent, child, num_blocks):
+            assert child.block_tables == [] and child.num_released_blocks == []
+            self.num_failed_forks += 1
+            return
         child.num_computed_tokens = num_blocks * BLOCK_SIZE
         self.check_reused(child)
         self.live[child.request_id] = child
@@ -288,9 +302,11 @@ class Simulation:
         assert len(free) == len(set(free)), "a block is on the free list twice"
         holders = [0] * self.bm.num_blocks
         for request in self.live.values():
-            for block_id in self.bm.block_table(request):
-                holders[block_id] += 1
+            for table, released in zip(request.block_tables, request.num_released_blocks):
+                for block_id in table[released:]:
+                    holders[block_id] += 1
         assert holders == refs(self.bm)
+        self.num_checks_with_releases += any(any(r.num_released_blocks) for r in self.live.values())
         used = {b for b in range(self.bm.num_blocks) if holders[b]}
         assert used.isdisjoint(free) and len(used) + len(free) == self.bm.num_blocks
 
@@ -305,3 +321,97 @@ def test_randomized_operations_keep_invariants():
         sim.bm.free(request)
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
     sim.bm.check_invariants()
+
+
+def test_randomized_operations_keep_invariants_with_sliding_window_groups():
+    """A full-attention group beside two window groups (6 and 9 tokens over 4-token blocks): releases, hits
+    that need the window's blocks, and forks the parent's releases refuse."""
+    sim = Simulation(seed=99, num_blocks=40, group_windows=(6, None, 9))
+    for _ in range(10_000):
+        sim.step()
+        sim.check()
+    assert sim.num_hits > 100 and sim.num_failed_forks > 10
+    assert sim.num_checks_with_releases > 1000, "too few releases: the test would not see a wrong one"
+    for request in list(sim.live.values()):
+        sim.bm.free(request)
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+    sim.bm.check_invariants()
+
+
+def test_a_window_group_releases_the_blocks_its_window_left_behind():
+    """Window of 8 over 4-token blocks: once 20 tokens are cached, the next query (position 20) reads keys
+    13..20, so blocks 0-2 (tokens 0-11) go back to the pool; the full-attention group keeps all of its."""
+    bm = BlockManager(16, BLOCK_SIZE, hash_seed="m", group_windows=(None, 8))
+    a = make_request("a", range(20))
+    admit(bm, a)
+    assert [len(t) for t in a.block_tables] == [5, 5] and bm.num_free_blocks == 6
+    window_table = list(a.block_tables[1])
+    a.output_token_ids.append(7)
+    assert bm.allocate_slots(a, 1)
+    assert a.num_released_blocks == [0, 3]
+    assert a.block_tables[1][:3] == [0, 0, 0] and a.block_tables[1][3:5] == window_table[3:5]
+    assert bm.num_held_blocks(a) == 6 + 3 and bm.num_free_blocks == 16 - 9
+    assert all(bm.ref_count(b) == 0 for b in window_table[:3])
+    assert bm.free_block_ids()[-3:] == window_table[:3]  # released blocks queue at the back, keeping their hash
+    bm.check_invariants()
+    bm.free(a)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants()
+
+
+def test_blocks_needed_counts_the_window_and_the_chunk():
+    bm = BlockManager(64, BLOCK_SIZE, group_windows=(None, 8))
+    assert bm.blocks_needed(100, 1) == 25 + 3  # 8 keys span at most 3 blocks of 4
+    assert bm.blocks_needed(100, 16) == 25 + 7  # 7 + 16 = 23 positions over at most 7 blocks
+    assert bm.blocks_needed(6, 16) == 2 + 2  # never more than the sequence has
+
+
+def test_a_prefix_hit_takes_only_the_window_blocks_the_next_query_reads():
+    bm = BlockManager(16, BLOCK_SIZE, hash_seed="m", group_windows=(None, 8))
+    a = make_request("a", range(17))
+    admit(bm, a)
+    full_blocks, window_blocks = a.block_tables[0][:4], a.block_tables[1][:4]
+    bm.free(a)
+    b = make_request("b", range(17))
+    # 16 cached tokens: the query at 16 reads keys 9..16, so window blocks 2 and 3 (tokens 8-15) are taken
+    assert admit(bm, b) == 16
+    assert b.block_tables[0][:4] == full_blocks
+    assert b.block_tables[1][:4] == [0, 0, *window_blocks[2:4]] and b.num_released_blocks == [0, 2]
+    assert bm.num_held_blocks(b) == 5 + 3
+    bm.check_invariants()
+
+
+def test_a_prefix_hit_shrinks_to_where_the_window_blocks_are_still_cached():
+    """The window group's block 3 was evicted: a 16-token hit would need it; a 12-token hit needs window
+    blocks 1 and 2 only (keys 5..12), which are still cached."""
+    bm = BlockManager(10, BLOCK_SIZE, hash_seed="m", group_windows=(8, None))
+    a = make_request("a", range(17))
+    admit(bm, a)
+    bm.free(a)  # free list: the window group's blocks 4..0, then the full group's 4..0
+    filler = make_request("filler", [999] * 8)
+    assert bm.allocate_slots(filler, 1)  # pops two blocks (one per group): the window group's 4 and 3
+    bm.free(filler)  # back unhashed: evicted
+    b = make_request("b", range(17))
+    assert bm.get_computed_prefix(b) == 12
+    assert admit(bm, b) == 12
+    assert b.num_released_blocks == [1, 0]
+    bm.check_invariants()
+
+
+def test_a_fork_is_refused_when_the_parent_released_a_block_the_child_needs():
+    bm = BlockManager(32, BLOCK_SIZE, hash_seed="m", group_windows=(None, 8))
+    parent = make_request("p", range(20))
+    admit(bm, parent)
+    for token in range(3):  # decode 3: the last allocation, at 22 cached tokens, reads keys from 15 (block 3)
+        parent.output_token_ids.append(token)
+        assert bm.allocate_slots(parent, 1)
+        compute(bm, parent, 1)
+    assert parent.num_released_blocks == [0, 3]
+    child = make_request("c", range(20))
+    # sharing 4 blocks: the child's next query (16) reads keys 9.., block 2, which the parent let go of
+    assert not bm.fork(parent, child, 4)
+    assert child.block_tables == [] and bm.num_held_blocks(parent) == 6 + 3
+    # sharing all 5 (20 tokens): keys from 13, block 3 on, which the parent still holds
+    assert bm.fork(parent, child, 5)
+    assert child.block_tables[1] == [0, 0, 0, *parent.block_tables[1][3:5]]
+    bm.check_invariants()

@@ -218,7 +218,7 @@ def test_paused_running_request_gets_no_tokens_frees_its_blocks_and_resumes_exac
     outputs_of(engine, outputs, steps=4)
     assert all(len(tokens(outputs[("b", i)])) == before[("b", i)] for i in range(2)), "a paused sample got tokens"
     assert len(tokens(outputs[("a", 0)])) == before[("a", 0)] + 4
-    assert [r.block_table for r in engine._groups["b"].samples] == [[], []]  # preempted: seat and blocks freed
+    assert [r.block_tables for r in engine._groups["b"].samples] == [[], []]  # preempted: seat and blocks freed
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_paused) == (2, 0, 2)
     engine.set_paused("b", False)
@@ -275,7 +275,7 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(tiny_loaded):
 def assert_released(request) -> None:
     """What LLMEngine._release promises: nothing of the request's is held any more."""
     assert request.is_finished and request.finish_reason is not None and request.finished_time is not None
-    assert request.block_table == [] and request.block_hashes == []
+    assert request.block_tables == [] and request.block_hashes == []
     assert request.generator is None and request.detokenizer is None
 
 

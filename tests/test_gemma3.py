@@ -2,7 +2,8 @@
 16-token window and their own rotary base, global layers with linear rope scaling, one KV head, a
 query_pre_attn_scalar other than head_dim, random (1 + w) norm weights. float32 logits within 1e-4 at every
 position of contexts 2-6 windows long, in one chunk, in 8-token chunks and decoded one token at a time
-(C++ decode kernel and torch ops), and through the engine at every decode step. The helpers are
+(C++ decode kernel and torch ops), and through the engine at every decode step, where the local layers'
+block tables release what their window left behind. The helpers are
 test_models.py's, the same oracle as every other family's."""
 
 import copy
@@ -15,7 +16,11 @@ import torch
 import transformers as tf
 from test_models import VOCAB, _check_engine_logits, _load, _perturb_vectors, _save, _sequences, window_effect
 
+from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.reference import forward_sequence
+from tinyserve.loader.model_loader import LoadedModel
+from tinyserve.types import SamplingParams
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
 from tinyserve.loader.model_loader import build_model
@@ -89,6 +94,46 @@ def test_engine_logits_at_every_decode_step_match_transformers(gemma, budget, to
     """test_models.py's engine test: three requests at once (37, 21 and 3 tokens, 12 decodes each), prompts
     prefilled in one step or in 8-token chunks beside the others' decodes, 16-token blocks."""
     _check_engine_logits(gemma, budget, 16, word_tokenizer, record_logits, torch_decode)
+
+
+@pytest.mark.parametrize("torch_decode", [False, True], ids=["decode-kernel", "decode-torch-ops"])
+def test_window_groups_let_long_sequences_share_a_pool_too_small_to_keep_every_block(gemma, torch_decode,
+                                                                                      word_tokenizer, record_logits):
+    """The local layers' groups release the blocks their 16-token window left behind. Four requests of 100
+    prompt + 60 output tokens (10 blocks of 16 per table) in an 80-block pool: keeping every block they would
+    need 3 tables x 10 x 4 = 120; releasing, at most 10 + 4 + 4 each while prefilling in 32-token chunks and
+    10 + 2 + 2 while decoding. They run side by side, never preempted, logits within 1e-4 of the reference
+    loop's (which keeps every block)."""
+    _, _, folder, ours = gemma
+    config = EngineConfig(cache=CacheConfig(num_blocks=80, block_size=16),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
+    assert engine.runner.layout.group_windows == (WINDOW, WINDOW, None)  # local layers 0, 1 | 3; global 2, 4
+    if torch_decode:
+        engine.runner.decode_kernel = False
+    logits = record_logits(engine)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (100,), generator=gen).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs, most_used, most_released = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        bm = engine.block_manager
+        bm.check_invariants()
+        most_used = max(most_used, bm.num_blocks - bm.num_free_blocks)
+        most_released = max([most_released, *(sum(r.num_released_blocks) for r in engine.scheduler.running)])
+    assert engine.scheduler.num_preemptions == 0 and most_used <= 4 * (10 + 4 + 4)
+    assert most_released == 2 * 8  # last step at 158 cached tokens: keys from 143, blocks 0-7 released in each
+    assert engine.block_manager.num_free_blocks == 80
+    for i, prompt in enumerate(prompts):
+        ids = prompt + outputs[str(i)]
+        expected = forward_sequence(ours, ids[:-1])[len(prompt) - 1:]
+        got = torch.stack(logits[(str(i), 0)])
+        assert got.shape == expected.shape == (60, VOCAB)
+        assert (got - expected).abs().max() <= 1e-4
 
 
 def test_final_logit_softcapping(tmp_path_factory):

@@ -1,12 +1,16 @@
 """Start-up sizing (engine/memory.py): the context a model gets, and what the KV capacity line claims."""
 
 import logging
+import re
 
 import pytest
 import torch
 
 from tinyserve.config import CacheConfig, ModelConfig
 from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
+from tinyserve.layers.kv_cache import KVLayout
+from tinyserve.loader.gguf import gguf_model_config, open_gguf
+from tinyserve.loader.model_loader import resolve_model_path
 
 
 def _config(sliding_window=None) -> ModelConfig:
@@ -23,13 +27,55 @@ def test_a_sliding_window_does_not_cap_the_context():
         resolve_max_model_len(257, _config(sliding_window=16))
 
 
-@pytest.mark.parametrize("window", [None, 16])
-def test_the_capacity_line_counts_every_block_of_a_sequence(window, caplog):
-    """No block is freed as it leaves a window: a max-length sequence holds all of its blocks, as the line
-    says, and with a window it says so."""
+def test_the_capacity_line_counts_every_block_of_a_full_attention_sequence(caplog):
     with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory"):
-        cache = resolve_cache_config(CacheConfig(block_size=16, num_blocks=32), _config(window), torch.float32,
-                                     torch.device("cpu"), 256)
+        cache = resolve_cache_config(CacheConfig(block_size=16, num_blocks=32), _config(), torch.float32,
+                                     torch.device("cpu"), 256, max_chunk=64)
     assert cache.num_blocks == 32
-    assert "32 blocks x 16 tokens = 512 tokens (2.0 max-length sequences of 256" in caplog.text
-    assert ("sliding-window layers keep every block too" in caplog.text) == (window is not None)
+    assert "32 blocks x 16 tokens, each block holding 2 of 2 layers' K/V (1 block tables per sequence): " \
+           "2.0 max-length sequences of 256 tokens, at" in caplog.text
+    assert "window" not in caplog.text
+
+
+def test_the_capacity_line_counts_only_the_window_of_sliding_window_layers(caplog):
+    """Both layers slide over 16 tokens: a decoding max-length sequence holds 2 blocks (16 keys span at most
+    two of 16), not 16, so 32 blocks hold 16 such sequences, 8x the 2 they would keeping every block."""
+    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory"):
+        config = _config(sliding_window=16)
+        cache = resolve_cache_config(CacheConfig(block_size=16, num_blocks=32), config, torch.float32,
+                                     torch.device("cpu"), 256, 64, KVLayout.for_windows(config.layer_sliding_windows()))
+    assert cache.num_blocks == 32
+    assert "16.0 max-length sequences of 256 tokens (sliding-window layers keep only their window: 8.0x the " \
+           "2.0 they would hold keeping every block)" in caplog.text
+
+
+def test_a_pool_too_small_for_one_sequence_prefilled_in_chunks_is_refused():
+    """A window group holds up to W - 1 + chunk positions at once while a chunk is computed: with a window
+    of 16 and chunks of 64, 6 blocks of 16 (79 positions over at most 6 blocks)."""
+    config = _config(sliding_window=16)
+    layout = KVLayout.for_windows(config.layer_sliding_windows())
+    assert resolve_cache_config(CacheConfig(block_size=16, num_blocks=6), config, torch.float32,
+                                torch.device("cpu"), 256, 64, layout).num_blocks == 6
+    with pytest.raises(ValueError, match="holds 5 blocks of 16 tokens, fewer than one max-length sequence"):
+        resolve_cache_config(CacheConfig(block_size=16, num_blocks=5), config, torch.float32,
+                             torch.device("cpu"), 256, 64, layout)
+    with pytest.raises(ValueError, match="holds 15 blocks of 16 tokens"):  # full attention: all 16 blocks
+        resolve_cache_config(CacheConfig(block_size=16, num_blocks=15), _config(), torch.float32,
+                             torch.device("cpu"), 256, 64)
+
+
+def test_gemma3_270m_at_8k_holds_over_3x_the_sequences_it_would_keeping_every_block(caplog):
+    """The real file's layers (3 global, 15 local with a 512-token window): at 8,192 tokens a decoding
+    sequence holds 512 blocks in the global group and 33 in each of the 5 local groups, 677 against 6 x 512:
+    4.5x as many sequences in the same bytes (the issue's bar: 3x)."""
+    config = gguf_model_config(open_gguf(resolve_model_path("gemma3-270m")))
+    layout = KVLayout.for_windows(config.layer_sliding_windows())
+    assert layout.group_windows == (512,) * 5 + (None,) and layout.num_slots == 3
+    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory"):
+        cache = resolve_cache_config(CacheConfig(kv_cache_memory_gib=1.0), config, torch.bfloat16,
+                                     torch.device("cpu"), 8192, 512, layout)
+    assert cache.num_blocks == 2**30 // (3 * 2 * 256 * 2 * 16)  # 3 slots x K/V x head_dim x bf16 x 16 tokens
+    held, kept_all = re.search(r"([\d.]+) max-length sequences of 8192 tokens \(sliding-window layers keep only "
+                               r"their window: [\d.]+x the ([\d.]+) they would", caplog.text).groups()
+    assert float(held) == pytest.approx(cache.num_blocks / 677, abs=0.05)
+    assert float(held) / float(kept_all) >= 4.5

@@ -42,7 +42,7 @@ class FakeRunner:
         output = self.scheduler.schedule()
         sampled = {}
         for request, num_new in output.scheduled:
-            table = request.block_table
+            table = BlockManager.block_table(request)
             start = request.num_computed_tokens
             for pos in range(start, start + num_new):
                 block_id = table[pos // BLOCK_SIZE]
@@ -186,7 +186,7 @@ def test_preemption_by_recompute_keeps_tokens_and_matches_unconstrained_run():
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert b.output_token_ids == tokens_before and len(tokens_before) > 0
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # front of its level, before c
-    assert b.block_table == []
+    assert b.block_tables == []
     runner.run()
     assert a.output_token_ids == reference(prompt_of(8, 0), 12)
     assert b.output_token_ids == reference(prompt_of(8, 30), 12)
@@ -338,7 +338,7 @@ def test_abort_waiting_and_running_frees_blocks_at_once():
     assert running.finish_reason is FinishReason.ABORT and running.is_finished
     assert scheduler.block_manager.num_free_blocks == 8
     output = scheduler.schedule()
-    assert output.is_empty and waiting.block_table == running.block_table == []
+    assert output.is_empty and waiting.block_tables == running.block_tables == []
     assert_all_free(scheduler)
 
 
@@ -350,7 +350,7 @@ def test_finishing_from_outside_the_step():
     runner.step()
     assert finish(scheduler, stopped, FinishReason.STOP) and stopped.finish_reason is FinishReason.STOP
     output = scheduler.schedule()
-    assert stopped.block_table == [] and [r.request_id for r, _ in output.scheduled] == ["b"]
+    assert stopped.block_tables == [] and [r.request_id for r, _ in output.scheduled] == ["b"]
     abort(scheduler, aborted)  # while the step runs: update must skip it
     assert scheduler.update(output, {aborted: [7]}) == [] and aborted.num_output_tokens == 1
     assert_all_free(scheduler)
@@ -402,7 +402,7 @@ def test_n_samples_fork_the_prompt_blocks(prefix_caching):
     output, _ = runner.step()
     assert [(r.request_id, n) for r, n in output.scheduled] == [("s0", 1), ("s1", 2), ("s2", 2)]
     bm = scheduler.block_manager
-    tables = [r.block_table for r in samples]
+    tables = [bm.block_table(r) for r in samples]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
     assert [bm.ref_count(b) for b in tables[0]] == [3, 3, 1]
     assert samples[1].num_cached_tokens == 8
@@ -468,7 +468,7 @@ def test_randomized_run_keeps_invariants():
         finished.update(r.request_id for r in changed if r.is_finished)
         scheduler.block_manager.check_invariants()
         for request in scheduler.waiting:
-            assert request.block_table == []
+            assert request.block_tables == []
         for request in scheduler.running:
             assert request.num_computed_tokens < request.num_tokens
         unfinished = {r.request_id for r in requests.values() if not r.is_finished}
@@ -543,7 +543,7 @@ def test_paused_running_request_is_preempted_and_recomputes_when_resumed():
     assert [r.request_id for r in scheduler.running] == ["a"]
     scheduler.set_paused(a, True)  # its seat (max_num_seqs=1) and blocks go to b at once
     assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 0 and scheduler.is_paused(a)
-    assert a.block_table == [] and a.num_output_tokens == 1
+    assert a.block_tables == [] and a.num_output_tokens == 1
     while not b.is_finished:
         output, _ = runner.step()
         assert [r.request_id for r, _ in output.scheduled] == ["b"]  # paused: a is not re-admitted

@@ -160,11 +160,11 @@ class DraftModelProposer:
             query_lens.append(len(tokens))
             tables.append(sequence.block_table)
             last_rows.append(len(input_ids) - 1)
-        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
-                                       num_heads=self.model.config.num_attention_heads,
+        meta = AttentionMetadata.build([slots], [tables], seq_lens, query_lens, block_size=bs,
+                                       num_blocks=self.num_blocks, num_heads=self.model.config.num_attention_heads,
                                        num_kv_heads=self.model.config.num_key_value_heads, device=self.device,
                                        decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
-                                       sliding_windows=self.sliding_windows)
+                                       group_windows=[self.sliding_windows])
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)

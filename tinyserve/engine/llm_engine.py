@@ -39,7 +39,7 @@ from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
 from tinyserve.engine.stats import EngineStats
 from tinyserve.engine.structured_output import StructuredOutputs
-from tinyserve.layers.kv_cache import kv_cache_layers
+from tinyserve.layers.kv_cache import KVLayout, kv_cache_slots, layer_caches
 from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import FinishReason, InvalidRequest, Job, RequestOutput, SamplingParams, TokenLogprob, run_to_end
@@ -85,24 +85,29 @@ class LLMEngine:
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         draft_bytes = kv_bytes_per_token(draft.config, device_and_dtype(draft.model)[1]) if draft else 0
-        cache_config = resolve_cache_config(config.cache, loaded.config, dtype, device, max_model_len, draft_bytes)
+        layout = KVLayout.for_windows(loaded.config.layer_sliding_windows())
+        cache_config = resolve_cache_config(config.cache, loaded.config, dtype, device, max_model_len,
+                                            scheduler_config.max_num_batched_tokens, layout, draft_bytes)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             hash_seed=f"{loaded.source}:{dtype}:{config.quantization}",  # cached KV is per weights
+            group_windows=layout.group_windows,
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         if device.type == "cpu":
             keep_freed_host_memory()
         self.structured_outputs = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                                     loaded.config.eos_token_ids)
-        kv_cache = []
-        for layer in kv_cache_layers(loaded.config, cache_config.num_blocks, cache_config.block_size, dtype, device):
-            kv_cache.append(layer)
+        kv_slots = []
+        for slot in kv_cache_slots(loaded.config, layout, cache_config.num_blocks, cache_config.block_size, dtype,
+                                   device):
+            kv_slots.append(slot)
             yield
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
-                                  fill_bitmask=self.structured_outputs.fill_bitmask, kv_cache=kv_cache)
+                                  fill_bitmask=self.structured_outputs.fill_bitmask,
+                                  kv_cache=layer_caches(layout, kv_slots), layout=layout)
         self.outputs = OutputProcessor(self.tokenizer)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative.method == "ngram":

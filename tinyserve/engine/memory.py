@@ -9,6 +9,8 @@ from dataclasses import replace
 import torch
 
 from tinyserve.config import CacheConfig, ModelConfig
+from tinyserve.engine.block_manager import blocks_held
+from tinyserve.layers.kv_cache import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +32,16 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
-                          draft_bytes_per_token: int = 0) -> int:
-    """How many blocks a budget holds, each block's tokens costing the model's K/V and, with a draft model,
-    the draft pool's (which has as many blocks: engine/draft_model.py)."""
-    return budget_bytes // ((kv_bytes_per_token(config, dtype) + draft_bytes_per_token) * block_size)
+def block_bytes_per_token(config: ModelConfig, dtype: torch.dtype, layout: KVLayout) -> int:
+    """What one token slot of a block costs: its K/V in each of the layout's pool slots."""
+    return kv_bytes_per_token(config, dtype) * layout.num_slots // config.num_hidden_layers
+
+
+def num_blocks_for_budget(config: ModelConfig, layout: KVLayout, block_size: int, dtype: torch.dtype,
+                          budget_bytes: int, draft_bytes_per_token: int = 0) -> int:
+    """How many blocks a budget holds, each block's tokens costing the layout's slots' K/V and, with a draft
+    model, the draft pool's (which has as many blocks: engine/draft_model.py)."""
+    return budget_bytes // ((block_bytes_per_token(config, dtype, layout) + draft_bytes_per_token) * block_size)
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -45,9 +52,12 @@ def _free_device_bytes(device: torch.device) -> int:
 
 
 def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                         max_model_len: int, draft_bytes_per_token: int = 0) -> CacheConfig:
+                         max_model_len: int, max_chunk: int, layout: KVLayout | None = None,
+                         draft_bytes_per_token: int = 0) -> CacheConfig:
     """Fill num_blocks from the budget (shared with a draft model's pool of as many blocks, whose K/V cost
-    draft_bytes_per_token); refuse a budget that cannot hold one max-length sequence."""
+    draft_bytes_per_token); refuse a budget that cannot hold one max-length sequence prefilled in chunks of
+    up to max_chunk tokens. layout: the pool's (flat when None)."""
+    layout = layout or KVLayout.flat(model.num_hidden_layers)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
         budget = None
@@ -58,20 +68,26 @@ def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dt
             budget = int(cache.cpu_kv_cache_memory_gib * GIB)
         else:
             budget = int(_free_device_bytes(device) * cache.memory_fraction)
-        num_blocks = num_blocks_for_budget(model, cache.block_size, dtype, budget, draft_bytes_per_token)
-    num_tokens = num_blocks * cache.block_size
-    if num_tokens < max_model_len:
+        num_blocks = num_blocks_for_budget(model, layout, cache.block_size, dtype, budget, draft_bytes_per_token)
+    bs = cache.block_size
+    if num_blocks < blocks_held(layout.group_windows, max_model_len, max_chunk, bs):
         what = f"{budget / GIB:.3f} GiB" if budget is not None else f"{num_blocks} blocks"
         raise ValueError(
-            f"KV cache budget of {what} holds {num_tokens} tokens, fewer than one max-length sequence "
-            f"({max_model_len} tokens): raise --kv-cache-memory or lower --max-model-len"
+            f"KV cache budget of {what} holds {num_blocks} blocks of {bs} tokens, fewer than one max-length "
+            f"sequence ({max_model_len} tokens) needs: raise --kv-cache-memory or lower --max-model-len"
         )
-    # NOTE: a sliding-window layer still keeps every block of its sequence (none is freed as it leaves the
-    # window), so a max-length sequence holds max_model_len tokens of KV in every layer, as the line says.
+    # a max-length sequence while it decodes: every block in a full-attention group, about its window in a
+    # sliding-window group (BlockManager releases the rest)
+    num_sequences = num_blocks / blocks_held(layout.group_windows, max_model_len, 1, bs)
+    windowed = any(w is not None for w in layout.group_windows)
+    # the same bytes as one group keeping every block for every layer
+    num_kept_all = num_blocks * layout.num_slots / model.num_hidden_layers / -(-max_model_len // bs)
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f max-length sequences of %d%s) at %d bytes per token%s",
-        num_blocks, cache.block_size, num_tokens, num_tokens / max_model_len, max_model_len,
-        "; sliding-window layers keep every block too" if any(w is not None for w in model.layer_sliding_windows()) else "",
+        "KV cache: %d blocks x %d tokens, each block holding %d of %d layers' K/V (%d block tables per sequence): "
+        "%.1f max-length sequences of %d tokens%s, at %d bytes per token%s",
+        num_blocks, bs, layout.num_slots, model.num_hidden_layers, layout.num_groups, num_sequences, max_model_len,
+        f" (sliding-window layers keep only their window: {num_sequences / num_kept_all:.1f}x the "
+        f"{num_kept_all:.1f} they would hold keeping every block)" if windowed else "",
         kv_bytes_per_token(model, dtype), f" + {draft_bytes_per_token} for the draft model's pool"
         if draft_bytes_per_token else "",
     )

@@ -21,7 +21,7 @@ from tinyserve.engine import rejection_sampler
 from tinyserve.engine.request import Request
 from tinyserve.engine.sampler import Sampler, TokenMasks, prompt_token_logprobs
 from tinyserve.layers.attention_metadata import AttentionMetadata
-from tinyserve.layers.kv_cache import KVCache, allocate_kv_cache
+from tinyserve.layers.kv_cache import KVCache, KVLayout, allocate_kv_cache
 from tinyserve.layers.ops import decode_kernel_applies
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.types import TokenLogprob
@@ -80,15 +80,18 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0,
                  fill_bitmask: Callable[[list[LLMatcher]], torch.Tensor] | None = None,
-                 kv_cache: list[KVCache] | None = None):
-        """`kv_cache`: the pool, allocated by the caller (LLMEngine, a layer at a time), or here when None."""
+                 kv_cache: list[KVCache] | None = None, layout: KVLayout | None = None):
+        """`kv_cache`: each layer's pool in `layout` (flat when None), allocated by the caller (LLMEngine, a
+        slot at a time), or here when None."""
         self.device, self.dtype = device_and_dtype(model)
         self.model = model
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-        self.sliding_windows = frozenset(model.config.layer_sliding_windows())  # one decode plan per window
+        self.layout = layout or KVLayout.flat(model.config.num_hidden_layers)
+        # one decode plan per window a group's layers use
+        self.group_windows = self.layout.group_layer_windows(model.config.layer_sliding_windows())
         if kv_cache is None:
-            kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+            kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device, self.layout)
         self.kv_cache = kv_cache
         self.sampler = Sampler(seed)
         # constrained sequences' token masks (StructuredOutputs.fill_bitmask), computed on a worker thread
@@ -144,28 +147,30 @@ class ModelRunner:
         order = sorted(range(len(scheduled)), key=lambda i: _batch_order(*scheduled[i]))
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        seq_lens, query_lens, tables, sample_rows, sampled, prompt_spans = [], [], [], [], [], []
+        num_groups = self.layout.num_groups
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        seq_lens, query_lens, sample_rows, sampled, prompt_spans = [], [], [], [], []
         proposals: list[list[int]] = []
         bs = self.block_size
         for i in order:
             request, num_new = scheduled[i]
-            table = request.block_table
             start = request.num_computed_tokens
             end = start + num_new
             proposal = request.spec_token_ids  # positions num_tokens.. (the scheduler fit them to the chunk)
             assert end == request.num_tokens + len(proposal) or (not proposal and end < request.num_tokens)
             input_ids.extend(request.all_token_ids[start : end - len(proposal)] + proposal)
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if proposal:  # a verify step: attended as 1 + k decode rows, row j seeing the cache up to itself
+            for group_slots, group_tables, table in zip(slots, tables, request.block_tables, strict=True):
+                group_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                # a verify step: attended as 1 + k decode rows, row j seeing the cache up to itself
+                group_tables.extend([table] * num_new if proposal else [table])
+            if proposal:
                 seq_lens.extend(range(start + 1, end + 1))
                 query_lens.extend([1] * num_new)
-                tables.extend([table] * num_new)
             else:
                 seq_lens.append(end)
                 query_lens.append(num_new)
-                tables.append(table)
             if request.needs_prompt_logprobs:
                 # rows predicting prompt tokens not yet scored (after a preemption, recomputed ones are not)
                 first, last = max(start, len(request.prompt_logprobs)), min(end, request.num_prompt_tokens - 1)
@@ -181,7 +186,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
                                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=device,
                                        decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
-                                       sliding_windows=self.sliding_windows)
+                                       layer_groups=self.layout.layer_groups, group_windows=self.group_windows)
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

@@ -49,11 +49,11 @@ class _ReferenceRunner:
     def run(self, token_ids: list[int], start: int) -> torch.Tensor:
         n = len(token_ids)
         meta = AttentionMetadata.build(
-            slot_mapping=list(range(start, start + n)),  # contiguous table: slot == position
-            block_tables=[self.block_table], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
+            [list(range(start, start + n))],  # contiguous table: slot == position
+            [[self.block_table]], seq_lens=[start + n], query_lens=[n], block_size=self.block_size,
             num_blocks=len(self.block_table), num_heads=self.model.config.num_attention_heads,
             num_kv_heads=self.model.config.num_key_value_heads, device=self.device, decode_kernel=self.decode_kernel,
-            kv_caches=self.kv_caches, sliding_windows=self.model.config.layer_sliding_windows(),
+            kv_caches=self.kv_caches, group_windows=[self.model.config.layer_sliding_windows()],
         )
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)

@@ -64,7 +64,10 @@ class Request:
     finished_time: float | None = None
 
     # engine state, dropped when the request is released
-    block_table: list[int] = field(default_factory=list)  # KV block ids in token order (BlockManager)
+    # KV block ids in token order, one table per KV group (BlockManager); empty while it holds none
+    block_tables: list[list[int]] = field(default_factory=list)
+    # per table, its leading entries a sliding window left behind: released, placeholders only
+    num_released_blocks: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading table blocks already offered to the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, memoized
     generator: torch.Generator | None = None  # a seeded request's own generator (Sampler), made on first draw

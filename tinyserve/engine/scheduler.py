@@ -133,9 +133,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if its prompt alone needs more blocks than the whole pool."""
-        assert request.status is RequestStatus.WAITING and not request.block_table, f"{request} added twice"
+        assert request.status is RequestStatus.WAITING and not request.block_tables, f"{request} added twice"
         bm = self.block_manager
-        if -(-request.num_tokens // bm.block_size) > bm.num_blocks:
+        if not self._fits_pool(request):
             raise ValueError(f"prompt of {request.num_tokens} tokens exceeds the KV cache ({bm.num_blocks} blocks)")
         request.add_order = next(self._counter)
         self._enqueue(request)
@@ -281,15 +281,14 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Recompute: drop its blocks, keep its tokens; it returns to its place at the front of waiting."""
         self._unschedule(request, output)
-        bm = self.block_manager
-        if -(-request.num_tokens // bm.block_size) > bm.num_blocks:
+        if not self._fits_pool(request):
             # NOTE: it could never be re-admitted. This is also the only way a lone request can fail to
             # allocate (everything else is free), so ending it here ends what would be a livelock.
             logger.warning("%s outgrew the KV cache at %d tokens", request, request.num_tokens)
             self.remove(request)
             output.outgrown.append(request)  # the engine finishes it with LENGTH in this step
             return
-        num_blocks = len(request.block_table)
+        num_blocks = self.block_manager.num_held_blocks(request)
         request.spec_token_ids = []
         self.running.remove(request)
         self.block_manager.free(request)
@@ -330,7 +329,7 @@ class Scheduler:
             self._add_scheduled(output, request, num_new)
             logger.debug(
                 "admitted %s (%d tokens, %d cached, %d blocks, %d free)", request, request.num_tokens,
-                request.num_computed_tokens, len(request.block_table),
+                request.num_computed_tokens, self.block_manager.num_held_blocks(request),
                 self.block_manager.num_free_blocks,
             )
         for request in gated:
@@ -356,7 +355,9 @@ class Scheduler:
         num_shared_blocks = (request.num_prompt_tokens - 1) // bm.block_size if fork_source else 0
         if num_shared_blocks:
             assert fork_source.prompt_token_ids == request.prompt_token_ids, "a sample must share its parent's prompt"
-            bm.fork(fork_source, request, num_shared_blocks)
+            if not bm.fork(fork_source, request, num_shared_blocks):
+                num_shared_blocks = 0  # the parent's window left blocks behind the sample needs: it starts alone
+        if num_shared_blocks:
             request.num_computed_tokens = num_shared_blocks * bm.block_size
             num_cached = 0
         elif request.needs_prompt_logprobs:  # cached tokens have no logits (as vLLM: no prefix cache for it)
@@ -425,6 +426,12 @@ class Scheduler:
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         output.scheduled.append((request, num_new))
         output.num_batched_tokens += num_new
+
+    def _fits_pool(self, request: Request) -> bool:
+        """Whether the whole pool holds the request, recomputed in chunks of up to a step's budget: if not,
+        it could never be (re-)admitted."""
+        bm = self.block_manager
+        return bm.blocks_needed(request.num_tokens, self.config.max_num_batched_tokens) <= bm.num_blocks
 
     def _token_budget(self, output: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - output.num_batched_tokens

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.layers import ops
-from tinyserve.layers.attention_metadata import AttentionMetadata, DecodeGroup
+from tinyserve.layers.attention_metadata import AttentionMetadata, DecodeGroup, GroupTables
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.kv_cache import KVCache, gather_kv, write_kv
 
@@ -72,22 +72,23 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale:
     return out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
-def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, tables: GroupTables, scale: float,
                     new_k: torch.Tensor, new_v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. The step's K/V are already in
     the cache; new_k/new_v ([num_tokens, kv_heads, head_dim]) spare a gather for a prefill with no
-    cached prefix. window: the layer's sliding window, None for full attention."""
+    cached prefix. tables: the layer's KV group's; window: the layer's sliding window, None for full
+    attention."""
     nd = meta.num_decodes
     decoded = None
     if meta.decode_kernel and nd:
-        decoded = ops.paged_decode_attention(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+        decoded = ops.paged_decode_attention(q[:nd], cache, tables.block_tables[:nd], meta.seq_lens[:nd], scale,
                                              window)
         if nd == len(meta.query_lens_host):  # a decode-only step: no copy into out
             return decoded
     out = torch.empty_like(q)
     if decoded is not None:
         out[:nd] = decoded
-    for plan in meta.decode_groups[window]:
+    for plan in tables.decode_groups[window]:
         out[plan.start : plan.end] = _decode_attention(q[plan.start : plan.end], cache, plan, scale)
     start = meta.num_decodes
     for i in range(meta.num_decodes, len(meta.query_lens_host)):
@@ -98,7 +99,7 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, sc
             k = new_k[start : start + q_len].transpose(0, 1)
             v = new_v[start : start + q_len].transpose(0, 1)
         else:
-            k, v = gather_kv(cache, meta.block_tables[i], seq_len, first)
+            k, v = gather_kv(cache, tables.block_tables[i], seq_len, first)
         # plain causal attention (SDPA's own mask) where no key is cached and none leaves the window
         is_causal = q_len == seq_len and (window is None or window >= seq_len)
         mask = None if is_causal else causal_mask(q_len, seq_len, q.device, window, first)
@@ -108,13 +109,14 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, sc
 
 
 def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                              window: int | None = None) -> torch.Tensor:
-    """The plain algorithm, one sequence and one head at a time in float32: the yardstick for tests."""
+                              window: int | None = None, kv_group: int = 0) -> torch.Tensor:
+    """The plain algorithm, one sequence and one head at a time in float32: the yardstick for tests.
+    Reads every key of each sequence (a group that released blocks would need a window-sized gather)."""
     out = torch.empty_like(q)
     group = q.shape[1] // cache.key.shape[0]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        k, v = gather_kv(cache, meta.block_tables[i], seq_len)
+        k, v = gather_kv(cache, meta.groups[kv_group].block_tables[i], seq_len)
         allowed = causal_mask(q_len, seq_len, q.device, window)
         for h in range(q.shape[1]):
             qh = q[start : start + q_len, h].float()  # [q_len, head_dim]
@@ -135,12 +137,13 @@ class Attention(DirectCall, nn.Module):
                  scale: float | None = None, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.layer_index = layer_index  # its pool is the step's meta.kv_caches[layer_index]
+        self.layer_index = layer_index  # its pool is the step's meta.kv_caches[layer_index], its tables its group's
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window  # keys per query, itself included; None: full attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]"""
         cache = meta.kv_caches[self.layer_index]
-        write_kv(cache, k, v, meta.slot_mapping)
-        return paged_attention(q, cache, meta, self.scale, k, v, self.sliding_window)
+        tables = meta.layer_tables(self.layer_index)
+        write_kv(cache, k, v, tables.slot_mapping)
+        return paged_attention(q, cache, meta, tables, self.scale, k, v, self.sliding_window)

@@ -1,6 +1,6 @@
 """What one step's attention needs to know, built once by the model runner before the forward and read
 by every layer: where the new tokens' K/V go, what each sequence attends to, and how its decodes are
-attended (the decode plan). No layer changes it.
+attended (the decode plan), for each KV group (layers/kv_cache.py, KVLayout). No layer changes it.
 
 The decode plan: with our C++ kernel (`decode_kernel`, where ops.decode_kernel_applies), one call per
 layer for all decodes; otherwise decodes are attended in a few batched torch calls over groups of
@@ -35,49 +35,68 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class GroupTables:
+    """One KV group's part of a step (layers/kv_cache.py, KVLayout): its layers' slots and tables."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
+    # [num_seqs, max_blocks] int64; rows padded with block 0 past seq_lens, and holding block 0 where a
+    # sliding-window group released a block its window left behind (never read)
+    block_tables: torch.Tensor
+    # without the kernel: the decode plan for each window the group's layers use (None: full attention);
+    # each empty with the kernel or without decodes
+    decode_groups: Mapping[int | None, tuple[DecodeGroup, ...]]
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go in the KV pool and what each sequence attends to. Sequences come
     ordered decodes first (one query token each, longest context first), then prefill chunks. A verify
     step's 1 + k tokens come as 1 + k decode rows of one table, each seeing the pool up to itself."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64; rows padded with block 0 past seq_lens
+    groups: tuple[GroupTables, ...]  # one per KV group
+    layer_groups: tuple[int, ...]  # attention layer -> its group
     seq_lens: torch.Tensor  # [num_seqs] int64 on device: cached + new tokens of each sequence
     seq_lens_host: list[int]  # the same on the host, for control flow without a device sync
     query_lens_host: list[int]  # new tokens of each sequence this step; the first num_decodes are 1
     num_decodes: int  # leading sequences with exactly one query token
     block_size: int
     decode_kernel: bool  # decodes go to our C++ kernel (ops.paged_decode_attention)
-    # otherwise, these, by sliding window (None: full attention), one entry for each window the model's
-    # layers use; each empty with the kernel or without decodes
-    decode_groups: Mapping[int | None, tuple[DecodeGroup, ...]]
-    # The pools this step reads and writes, one per attention layer. They travel with the step, not in
-    # the model's modules: a loaded model holds no engine state, so engines (and their threads) may share it.
+    # The pools this step reads and writes, one per attention layer (layers of one slot share one). They
+    # travel with the step, not in the model's modules: a loaded model holds no engine state, so engines
+    # (and their threads) may share it.
     kv_caches: tuple[KVCache, ...]
 
+    def layer_tables(self, layer_index: int) -> GroupTables:
+        return self.groups[self.layer_groups[layer_index]]
+
     @classmethod
-    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], seq_lens: list[int],
+    def build(cls, slot_mappings: Sequence[list[int]], block_tables: Sequence[list[list[int]]], seq_lens: list[int],
               query_lens: list[int], *, block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int,
               device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache],
-              sliding_windows: Collection[int | None] = (None,)) -> AttentionMetadata:
-        """From host lists, sequences ordered decodes first. One host-to-device copy per tensor.
-        sliding_windows: the windows of the model's attention layers (ModelConfig.layer_sliding_windows)."""
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-        slots = torch.tensor(slot_mapping, dtype=torch.int64)
-        check_tables(slots, tables, [len(t) for t in block_tables], seq_lens, query_lens, block_size, num_blocks)
-        tables = tables.to(device)
+              layer_groups: Sequence[int] | None = None,
+              group_windows: Sequence[Collection[int | None]] = ((None,),)) -> AttentionMetadata:
+        """From host lists, one slot mapping and one list of tables per KV group, sequences ordered decodes
+        first. One host-to-device copy per tensor. layer_groups: each layer's group (None: all in group 0);
+        group_windows: the windows each group's layers use (KVLayout.group_layer_windows)."""
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         bounds = [] if decode_kernel else decode_group_bounds(seq_lens[:num_decodes])
-        groups = {window: tuple(_decode_group(start, end, tables, seq_lens, num_heads, num_kv_heads, num_blocks,
-                                              block_size, window) for start, end in bounds)
-                  for window in set(sliding_windows)}
+        groups = []
+        for slot_mapping, tables_host, windows in zip(slot_mappings, block_tables, group_windows, strict=True):
+            width = max(len(t) for t in tables_host)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in tables_host], dtype=torch.int64)
+            slots = torch.tensor(slot_mapping, dtype=torch.int64)
+            check_tables(slots, tables, [len(t) for t in tables_host], seq_lens, query_lens, block_size, num_blocks)
+            tables = tables.to(device)
+            plans = {window: tuple(_decode_group(start, end, tables, seq_lens, num_heads, num_kv_heads, num_blocks,
+                                                 block_size, window) for start, end in bounds)
+                     for window in set(windows)}
+            groups.append(GroupTables(slots.to(device), tables, plans))
         return cls(
-            slot_mapping=slots.to(device),
-            block_tables=tables,
+            groups=tuple(groups),
+            layer_groups=tuple(layer_groups) if layer_groups is not None else (0,) * len(kv_caches),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
-            decode_kernel=decode_kernel, decode_groups=groups, kv_caches=tuple(kv_caches),
+            decode_kernel=decode_kernel, kv_caches=tuple(kv_caches),
         )
 
 

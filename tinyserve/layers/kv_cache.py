@@ -3,7 +3,7 @@ reallocated; a sequence's tokens live in the blocks its block table names."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,18 +22,82 @@ class KVCache:
     value: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """How the attention layers share the pool's tensors and block tables.
+
+    Layers are split into groups of equal size, each group holding layers of one sliding window (or all
+    full attention); a request holds one block table per group. The pool has one K/V tensor pair per
+    slot (group size of them), and a block id names the same rows in every slot: layer i uses slot
+    `layer_slots[i]` with the table of group `layer_groups[i]`, and as the free list hands each block
+    to one table at a time, two groups never write the same rows. So the groups share one free pool,
+    and a sliding-window group's table can let go of the blocks its window has left behind
+    (`group_windows`) while a full-attention group's keeps them: a long sequence then holds ~W tokens
+    in the windowed groups instead of its whole length. (vLLM's hybrid KV manager is built the same way.)
+    Without sliding windows it is one group of every layer, one slot per layer: the plain paged pool.
+    """
+
+    layer_groups: tuple[int, ...]  # layer -> the group whose block table it reads
+    layer_slots: tuple[int, ...]  # layer -> the pool tensor it reads and writes
+    group_windows: tuple[int | None, ...]  # group -> its layers' window (blocks before it are released)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def num_slots(self) -> int:
+        return max(self.layer_slots) + 1 if self.layer_slots else 0
+
+    @classmethod
+    def flat(cls, num_layers: int) -> KVLayout:
+        """One group keeping every block, one slot per layer (windows or not: each layer masks its own)."""
+        return cls((0,) * num_layers, tuple(range(num_layers)), (None,))
+
+    @classmethod
+    def for_windows(cls, layer_windows: Sequence[int | None]) -> KVLayout:
+        """Groups by window, each of as many layers as the rarest window (or full attention) has: Gemma 3
+        270M's 3 full and 15 local layers make 1 + 5 groups of 3. A kind whose count is not a multiple
+        leaves its last group short (its slots past the end unused in that group's blocks)."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(layer_windows):
+            kinds.setdefault(window, []).append(layer)
+        if list(kinds) == [None]:
+            return cls.flat(len(layer_windows))
+        size = min(len(layers) for layers in kinds.values())
+        layer_groups, layer_slots = [0] * len(layer_windows), [0] * len(layer_windows)
+        group_windows: list[int | None] = []
+        for window, layers in kinds.items():
+            for start in range(0, len(layers), size):
+                for slot, layer in enumerate(layers[start : start + size]):
+                    layer_groups[layer], layer_slots[layer] = len(group_windows), slot
+                group_windows.append(window)
+        return cls(tuple(layer_groups), tuple(layer_slots), tuple(group_windows))
+
+    def group_layer_windows(self, layer_windows: Sequence[int | None]) -> tuple[frozenset[int | None], ...]:
+        """The windows each group's layers use (the decode plans its table needs)."""
+        return tuple(frozenset(w for w, g in zip(layer_windows, self.layer_groups, strict=True) if g == group)
+                     for group in range(self.num_groups))
+
+
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[KVCache]:
-    """One zero-filled pool per layer."""
-    return list(kv_cache_layers(config, num_blocks, block_size, dtype, device))
+                      device: torch.device, layout: KVLayout | None = None) -> list[KVCache]:
+    """One zero-filled pool per slot, as each layer's (layers of one slot share it); flat by default."""
+    layout = layout or KVLayout.flat(config.num_hidden_layers)
+    return layer_caches(layout, list(kv_cache_slots(config, layout, num_blocks, block_size, dtype, device)))
 
 
-def kv_cache_layers(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> Iterator[KVCache]:
-    """allocate_kv_cache one layer at a time: filling a pool with zeros takes a while (it touches every
-    page), and a model loading beside others does it between their steps (LLMEngine.build_in_pieces)."""
+def layer_caches(layout: KVLayout, slots: Sequence[KVCache]) -> list[KVCache]:
+    """Each layer's pool, by its slot."""
+    return [slots[slot] for slot in layout.layer_slots]
+
+
+def kv_cache_slots(config: ModelConfig, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                   device: torch.device) -> Iterator[KVCache]:
+    """The layout's pool tensors one slot at a time: filling a pool with zeros takes a while (it touches
+    every page), and a model loading beside others does it between their steps (LLMEngine.build_in_pieces)."""
     shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    for _ in range(config.num_hidden_layers):
+    for _ in range(layout.num_slots):
         yield KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
