@@ -29,8 +29,9 @@ def _dense_causal(q, k, v, scale, window=None):
 
 
 def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=BLOCK,
-           window=None):
-    """seqs: list of (cached_len, new_len). Blocks handed out in a shuffled order (scattered tables)."""
+           window=None, tables_out=None):
+    """seqs: list of (cached_len, new_len). Blocks handed out in a shuffled order (scattered tables); each
+    sequence's whole table is appended to `tables_out` (the step's window tables hold only the window's)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -57,6 +58,8 @@ def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HE
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.groups[0].slot_mapping)
+    if tables_out is not None:
+        tables_out.extend(tables)
     return cache, meta, torch.cat(q_parts), k_step, v_step, full
 
 
@@ -136,13 +139,17 @@ def test_a_window_reads_no_block_before_it(decode_kernel):
     block tables, and the decode groups read it (masked) past a short sequence's end."""
     window = 6
     seqs = [(30, 1), (17, 1), (3, 1), (20, 5), (9, 12), (0, 13)]
-    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window)
+    tables = []
+    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window,
+                                        tables_out=tables)
     for i, (cached, _) in enumerate(seqs):
         for b in range(max(0, cached + 1 - window) // BLOCK):
-            if meta.groups[0].block_tables[i, b] == 0:
+            if tables[i][b] == 0:
                 continue
-            cache.key[:, meta.groups[0].block_tables[i, b]] = float("nan")
-            cache.value[:, meta.groups[0].block_tables[i, b]] = float("nan")
+            cache.key[:, tables[i][b]] = float("nan")
+            cache.value[:, tables[i][b]] = float("nan")
+            # the step's table holds only what the window reads: the entries before it are block 0
+            assert meta.groups[0].block_tables[i, b] == 0
     ours = paged_attention(q, cache, meta, meta.groups[0], HEAD_DIM**-0.5, k, v, window)
     start = 0
     for (cached, new), (fq, fk, fv) in zip(seqs, full):
@@ -158,10 +165,12 @@ def test_decode_kernel_with_a_window_against_dense(window, dtype):
     key before its window NaN (also those sharing a block with the window's first key), so a kernel
     that read one would return NaN. Windows shorter than a block, unaligned, aligned, past every length."""
     seqs = [(c, 1) for c in (40, 23, 16, 15, 3, 0)]
-    cache, meta, q, k, v, full = _build(seqs, dtype, seed=window, decode_kernel=True, window=window)
+    tables = []
+    cache, meta, q, k, v, full = _build(seqs, dtype, seed=window, decode_kernel=True, window=window,
+                                        tables_out=tables)
     for i, (cached, _) in enumerate(seqs):
         for p in range(max(0, cached + 1 - window)):
-            block = meta.groups[0].block_tables[i, p // BLOCK]
+            block = tables[i][p // BLOCK]
             cache.key[:, block, p % BLOCK] = float("nan")
             cache.value[:, block, p % BLOCK] = float("nan")
     ours = cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.groups[0].block_tables, meta.seq_lens,

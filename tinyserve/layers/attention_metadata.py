@@ -82,8 +82,8 @@ class AttentionMetadata:
         bounds = [] if decode_kernel else decode_group_bounds(seq_lens[:num_decodes])
         groups = []
         for slot_mapping, tables_host, windows in zip(slot_mappings, block_tables, group_windows, strict=True):
-            width = max(len(t) for t in tables_host)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in tables_host], dtype=torch.int64)
+            (window,) = windows if len(windows) == 1 else (None,)
+            tables = _tables_tensor(tables_host, seq_lens, query_lens, block_size, window)
             slots = torch.tensor(slot_mapping, dtype=torch.int64)
             check_tables(slots, tables, [len(t) for t in tables_host], seq_lens, query_lens, block_size, num_blocks)
             tables = tables.to(device)
@@ -98,6 +98,25 @@ class AttentionMetadata:
             seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
             decode_kernel=decode_kernel, kv_caches=tuple(kv_caches),
         )
+
+
+def _tables_tensor(tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int,
+                   window: int | None) -> torch.Tensor:
+    """The padded [num_seqs, max_blocks] int64 tables of one group. With a window, only the entries from
+    each sequence's first query's window on are copied (the rest, never read, are 0): a long sequence's
+    window group has ~W / block_size live entries of its hundreds, and copying them one Python int at a
+    time cost more than the step's other host work (docs/PERFORMANCE.md, "KV groups")."""
+    width = max(len(t) for t in tables)
+    if window is None:
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    index, values = [], []  # each live entry's place in the flattened table, and its block id
+    for row, (table, seq_len, query_len) in enumerate(zip(tables, seq_lens, query_lens, strict=True)):
+        first = max(0, seq_len - query_len + 1 - window) // block_size
+        index += range(row * width + first, row * width + len(table))
+        values += table[first:]
+    out = torch.zeros(len(tables) * width, dtype=torch.int64)
+    out[torch.tensor(index, dtype=torch.int64)] = torch.tensor(values, dtype=torch.int64)
+    return out.view(len(tables), width)
 
 
 def check_tables(slot_mapping: torch.Tensor, block_tables: torch.Tensor, table_lens: list[int], seq_lens: list[int],
