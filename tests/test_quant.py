@@ -186,16 +186,17 @@ def test_int8_keeps_a_q8_0_gguf_s_own_values(smollm2_path):
 @pytest.mark.parametrize("tied", [True, False])
 def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_llama):
     """The int kernels run every step of a quantized model, whatever its size, and compute the model
-    whose weights are the quantized values: blocks in the mode's format, the LM head in int8."""
+    whose weights are the quantized values: blocks in the mode's format (int8: one scale per row; a float
+    checkpoint has no Q8_0 values to keep), the LM head in int8 per group (Q8_0)."""
     model = tiny_llama(tied)
     dequantized = copy.deepcopy(model)  # float32, each weight set to its quantized values, plain F.linear
     for name, module in dequantized.named_modules():
         if isinstance(module, (Linear, TiedLMHead)):
-            fmt = Int4Weight if quantization == "int4" and name != "lm_head" else Int8Weight
+            fmt = Int8Weight if name == "lm_head" else Int4Weight if quantization == "int4" else Int8ChannelWeight
             module.weight.data.copy_(fmt.quantize(module.weight)[1])
     assert quantize_linear_weights(model, quantization) == 2 * 4 + 1  # qkv, o, gate_up, down; the head
     assert quantize_linear_weights(model, quantization) == 0  # idempotent
-    block_format = Int8Weight if quantization == "int8" else Int4Weight
+    block_format = Int8ChannelWeight if quantization == "int8" else Int4Weight
     blocks = [m for m in model.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.weight_format, block_format) and m.weight.is_meta for m in blocks)  # no float copy
     assert isinstance(model.lm_head.weight_format, Int8Weight)
