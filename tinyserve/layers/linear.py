@@ -136,8 +136,8 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     bfloat16. Why int8 there: in int4 it was faster still but cost perplexity (docs/PERFORMANCE.md,
     "Speed modes"). The default GGUF stores it as Q8_0, so int8 keeps its exact values.
 
-    In int8 mode the block linears take one scale per row (Int8ChannelWeight: as fast at decode, ~1.5x
-    faster at prefill, no worse in perplexity: docs/PERFORMANCE.md, "Prefill at the integer rate"), except
+    In int8 mode the block linears take one scale per row (Int8ChannelWeight: as fast at decode, ~1.3x
+    faster from 64 rows, no worse in perplexity: docs/PERFORMANCE.md, "Prefill at the integer rate"), except
     where the file stores a matrix (or a merged one's shard) as Q8_0, whose own values Int8Weight keeps.
 
     In int4 mode a Linear whose checkpoint stored it at more than 4 bits (`stored_bits`: a K-quant mix's

@@ -11,7 +11,7 @@ The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per 
 (code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
 (tests/test_quant.py checks Q4_1's against the file's blocks). The int8 mode's block linears take a
 third, Int8ChannelWeight (one scale per row), where the file does not store them as Q8_0: its kernel
-prefills at ~2x bfloat16's rate, where the per-group ones run at about bfloat16's.
+prefills at 1.6-2x bfloat16's rate, where the per-group ones run near bfloat16's.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ class Int8ChannelWeight:
     """Symmetric int8 per output row: w = code * scale, code in [-127, 127], one float32 scale per row.
     Its kernel (csrc/int8_channel_matmul.cpp) rounds the inputs to int8 per span of 32, as the per-group
     kernels do, but with the weight's scale per row its float work is one convert-and-add per 32 inputs
-    and one multiply per output: it prefills at ~2x bfloat16's rate where Int8Weight runs at about
-    bfloat16's (docs/PERFORMANCE.md, "Prefill at the integer rate"), decodes as fast, and is stored in a
-    byte per weight (Q8_0: 1.06). Any in_features: the codes pad it to a multiple of 4 with zeros.
+    and one multiply per output: its linears run at 1.6-2x bfloat16's rate from 64 rows, where Int8Weight's
+    run at 1.3x (docs/PERFORMANCE.md, "Prefill at the integer rate"); it decodes as fast and is stored in
+    a byte per weight (Q8_0: 1.06). Any in_features: the codes pad it to a multiple of 4 with zeros.
 
     For a checkpoint stored in Q8_0 that would be a second rounding of its values, so there Int8Weight
     stays (layers/linear.py)."""

@@ -10,7 +10,7 @@
   matrix, which it converts to its blocked layout on every call, so it gets the blocked one once (what
   inductor's freezing pass does; docs/PERFORMANCE.md, "Changes, each measured before and after").
 - Int8Weight, Int4Weight (layers/quant.py): weight-only quantization, in our int kernels' layout.
-- Int8ChannelWeight (layers/quant.py): int8 with one scale per row, which prefills at ~2x bfloat16.
+- Int8ChannelWeight (layers/quant.py): int8 with one scale per row, which prefills at 1.6-2x bfloat16.
 
 Whatever the format, the plain copy is dropped once it is repacked: weights live once, in the layout
 their kernel reads.

@@ -6,8 +6,8 @@
 // input's (subtract, convert, multiply by two scales, add: about half as many instructions as the integer
 // dots, on the same ports), so they prefill at bfloat16's rate. With one weight scale per row, that is a
 // multiply per output at the end, and a span of 32 inputs costs 8 `vpdpbusd` (64 byte products each,
-// exact int32 sums) and one convert-and-add: ~2x bfloat16 (docs/PERFORMANCE.md, "Prefill at the integer
-// rate"). Why spans and not one scale per token, which would leave no float work in the loop at all: the
+// exact int32 sums) and one convert-and-add: 1.6-2x bfloat16 (docs/PERFORMANCE.md, "Prefill at the
+// integer rate"). Why spans and not one scale per token, which would leave no float work in the loop at all: the
 // inputs' outliers then cost SmolLM2-135M 3% perplexity (same section).
 //
 // Layout (tinyserve/layers/quant.py, Int8ChannelWeight, packs it): the int8 per-group layout's codes with
