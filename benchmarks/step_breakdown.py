@@ -22,7 +22,7 @@ from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "tinyserve::bf16_matmul",
-              "tinyserve::int8_matmul", "tinyserve::int4_matmul"}
+              "tinyserve::int8_matmul", "tinyserve::int4_matmul", "tinyserve::int8_channel_matmul"}
 ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_", "aten::_embedding_bag",
                  "aten::_embedding_bag_forward_only",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "tinyserve::paged_decode_attention"}

@@ -15,7 +15,7 @@ from test_gguf import _gguf_name, _k_quant_bytes, _write, tiny_llama  # tiny_lla
 from tinyserve.engine.reference import forward_sequence
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead
-from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 
@@ -99,8 +99,12 @@ def test_a_float_gguf_goes_to_int4_everywhere_but_the_head(tmp_path, tiny_llama)
 
 
 @needs_int_kernels
-def test_int8_mode_is_int8_everywhere(mixed_path):
-    assert _formats(_build(mixed_path, quantization="int8")) == dict.fromkeys(INT4_MIX_FORMATS, Int8Weight)
+def test_int8_mode_keeps_q8_0_and_puts_the_rest_in_int8_per_row(mixed_path):
+    """int8 everywhere: per group (Q8_0) where the file stores a shard as Q8_0 (its own values) and for the
+    head, one scale per row (the faster prefill: layers/quant.py) for the rest."""
+    q8_0 = {"model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj", "lm_head"}
+    assert _formats(_build(mixed_path, quantization="int8")) == {
+        name: Int8Weight if name in q8_0 else Int8ChannelWeight for name in INT4_MIX_FORMATS}
 
 
 @needs_int_kernels

@@ -7,6 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.reference import forward_sequence
@@ -19,7 +20,9 @@ from tinyserve.layers.linear import (
     quantize_linear_weights,
 )
 from tinyserve.layers.quant import (
+    SPAN,
     Int4Weight,
+    Int8ChannelWeight,
     Int8Weight,
     check_quantization,
     int4_codes,
@@ -85,8 +88,54 @@ def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens)
     assert ((got.float() - expected).abs() <= expected.abs() / 256 + 1e-5 * expected.abs().max()).all()
 
 
+def _channel_formula(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What csrc/int8_channel_matmul.cpp computes, in float64: per output row a scale max|w| / 127 and codes
+    round(w / scale); inputs rounded to int8 per span of 32 (the last one shorter) with scale max|x| / 127;
+    integer dots per span (exact), summed times the spans' scales, times the row's scale."""
+    scale = weight.abs().amax(1) / 127
+    codes = torch.round(weight / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127)
+    pad = -x.shape[1] % SPAN
+    spans = F.pad(x.float(), (0, pad)).reshape(x.shape[0], -1, SPAN)
+    amax = spans.abs().amax(-1, keepdim=True)
+    xq = torch.round(spans * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0))
+    code_spans = F.pad(codes, (0, pad)).reshape(codes.shape[0], -1, SPAN)
+    dots = torch.einsum("tsi,nsi->tns", xq.double(), code_spans.double())
+    return (dots * (amax[..., 0].double() / 127)[:, None]).sum(-1) * scale.double()
+
+
+def test_int8_channel_quantization_is_within_half_a_step_of_each_row():
+    torch.manual_seed(0)
+    weight = torch.randn(40, 70) * torch.rand(40, 1)  # rows of different sizes
+    weight[3] = 0  # an all-zero row: scale 0, no division by zero
+    quantized, dequantized = Int8ChannelWeight.quantize(weight)
+    step = weight.abs().amax(1, keepdim=True) / 127
+    assert ((dequantized - weight).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(dequantized[3], torch.zeros(70))
+    assert quantized.codes.shape == (3, 72 // 4 * 64) and quantized.scales.shape == (48,)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (40, 70), (17, 3), (33, 100), (960, 576),
+                                                        (576, 1536)])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 19, 64])
+def test_int8_channel_kernel_matches_its_formula(out_features, in_features, tokens):
+    """Every output to the rounding of the bfloat16 output: rows not a multiple of the kernel's tiles (16
+    rows a block, 3 blocks and 4 tokens a tile), inputs not a multiple of 4 (3, 70) or of a span (100),
+    the model's shapes; an all-zero span of inputs and an all-zero row of weights."""
+    torch.manual_seed(out_features + tokens)
+    weight = torch.randn(out_features, in_features) * 0.05
+    weight[out_features // 2] = 0
+    x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
+    x[0, :SPAN] = 0
+    expected = _channel_formula(x, weight)
+    got = ops.linear(x, Int8ChannelWeight.quantize(weight)[0])
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
+    assert ((got.double() - expected).abs() <= expected.abs() / 256 + 1e-5 * expected.abs().max()).all()
+    assert torch.equal(got[:, out_features // 2], torch.zeros(tokens, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("pack", [lambda w: Int4Weight.quantize(w)[0], lambda w: Int8Weight.quantize(w)[0],
-                                  Bf16Weight.pack], ids=["int4", "int8", "bf16"])
+                                  lambda w: Int8ChannelWeight.quantize(w)[0], Bf16Weight.pack],
+                         ids=["int4", "int8", "int8-channel", "bf16"])
 def test_our_matmul_kernels_refuse_what_they_are_not_built_for(pack):
     quantized = pack(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="no tokens"):
@@ -137,16 +186,17 @@ def test_int8_keeps_a_q8_0_gguf_s_own_values(smollm2_path):
 @pytest.mark.parametrize("tied", [True, False])
 def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_llama):
     """The int kernels run every step of a quantized model, whatever its size, and compute the model
-    whose weights are the quantized values: blocks in the mode's format, the LM head in int8."""
+    whose weights are the quantized values: blocks in the mode's format (int8: one scale per row; a float
+    checkpoint has no Q8_0 values to keep), the LM head in int8 per group (Q8_0)."""
     model = tiny_llama(tied)
     dequantized = copy.deepcopy(model)  # float32, each weight set to its quantized values, plain F.linear
     for name, module in dequantized.named_modules():
         if isinstance(module, (Linear, TiedLMHead)):
-            fmt = Int4Weight if quantization == "int4" and name != "lm_head" else Int8Weight
+            fmt = Int8Weight if name == "lm_head" else Int4Weight if quantization == "int4" else Int8ChannelWeight
             module.weight.data.copy_(fmt.quantize(module.weight)[1])
     assert quantize_linear_weights(model, quantization) == 2 * 4 + 1  # qkv, o, gate_up, down; the head
     assert quantize_linear_weights(model, quantization) == 0  # idempotent
-    block_format = Int8Weight if quantization == "int8" else Int4Weight
+    block_format = Int8ChannelWeight if quantization == "int8" else Int4Weight
     blocks = [m for m in model.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.weight_format, block_format) and m.weight.is_meta for m in blocks)  # no float copy
     assert isinstance(model.lm_head.weight_format, Int8Weight)

@@ -5,7 +5,8 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
   doing it with torch ops copied every sequence's K once per layer;
 - the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
   rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops;
-- matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp):
+- matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp,
+  csrc/int8_channel_matmul.cpp):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix.
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
-            "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp")
+            "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp")
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -159,6 +160,12 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mini
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [tokens, in] bfloat16 times an int8 weight in layers/quant.py's layout -> [tokens, out]."""
     return _named("tinyserve::int8_matmul", load().int8_matmul, x, codes, scales, out_features)
+
+
+def int8_channel_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [tokens, in] bfloat16 times an int8 weight with one scale per row (layers/quant.py's
+    Int8ChannelWeight), the inputs rounded to int8 per token -> [tokens, out]."""
+    return _named("tinyserve::int8_channel_matmul", load().int8_channel_matmul, x, codes, scales, out_features)
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:

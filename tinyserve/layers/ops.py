@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tinyserve.layers import cpu_kernels
 from tinyserve.layers.kv_cache import KVCache
-from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
 
 
@@ -134,6 +134,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
             out = cpu_kernels.int4_matmul(x, weight.codes, weight.scales, weight.minimums, weight.out_features)
         case Int8Weight():
             out = cpu_kernels.int8_matmul(x, weight.codes, weight.scales, weight.out_features)
+        case Int8ChannelWeight():
+            out = cpu_kernels.int8_channel_matmul(x, weight.codes, weight.scales, weight.out_features)
         case _:
             raise TypeError(f"no linear for a {type(weight).__name__}")
     return out if bias is None else out + bias

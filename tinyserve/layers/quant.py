@@ -9,7 +9,9 @@ model.
 
 The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group), int8 is Q8_0
 (code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
-(tests/test_quant.py checks Q4_1's against the file's blocks).
+(tests/test_quant.py checks Q4_1's against the file's blocks). The int8 mode's block linears take a
+third, Int8ChannelWeight (one scale per row), where the file does not store them as Q8_0: its kernel
+prefills at 1.6-2x bfloat16's rate, where the per-group ones run near bfloat16's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from tinyserve.config import QUANTIZATIONS
 
 GROUP = 32  # inputs per scale (and minimum)
+SPAN = 32  # inputs per activation scale in Int8ChannelWeight's kernel
 KERNEL_ROWS = 16  # the kernels interleave the weights of 16 output rows, one per vector lane
 _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero group from dividing by zero
 
@@ -75,6 +78,36 @@ class Int8Weight:
         block, row = ids // KERNEL_ROWS, ids % KERNEL_ROWS
         groups = codes[block, :, row].reshape(len(ids), scales.shape[1], GROUP).float() - 128
         return (groups * scales[block, :, row].float()[..., None]).flatten(1)
+
+
+@dataclass(frozen=True)
+class Int8ChannelWeight:
+    """Symmetric int8 per output row: w = code * scale, code in [-127, 127], one float32 scale per row.
+    Its kernel (csrc/int8_channel_matmul.cpp) rounds the inputs to int8 per span of 32, as the per-group
+    kernels do, but with the weight's scale per row its float work is one convert-and-add per 32 inputs
+    and one multiply per output: its linears run at 1.6-2x bfloat16's rate from 64 rows, where Int8Weight's
+    run at 1.3x (docs/PERFORMANCE.md, "Prefill at the integer rate"); it decodes as fast and is stored in
+    a byte per weight (Q8_0: 1.06). Any in_features: the codes pad it to a multiple of 4 with zeros.
+
+    For a checkpoint stored in Q8_0 that would be a second rounding of its values, so there Int8Weight
+    stays (layers/linear.py)."""
+
+    codes: torch.Tensor  # [blocks of 16 rows, ceil(in / 4) * 64] uint8: code + 128, Int8Weight's interleaving
+    scales: torch.Tensor  # [blocks * 16] float32 (zero for the padding rows)
+    out_features: int
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> tuple[Int8ChannelWeight, torch.Tensor]:
+        """The quantized weight and its dequantized values (float32)."""
+        out_features, in_features = weight.shape
+        weight = weight.float()
+        scale = weight.abs().amax(dim=1) / 127
+        codes = torch.round(weight / scale.clamp(min=_TINY)[:, None]).clamp(-127, 127)
+        dequantized = codes * scale[:, None]
+        padded = F.pad(codes, (0, -in_features % 4))
+        stored = (padded.to(torch.int32) + 128).to(torch.uint8)  # the kernel multiplies unsigned bytes
+        packed, (scales,) = kernel_layout(stored.reshape(out_features, 1, -1, 4), [scale[:, None]])
+        return cls(packed, scales.flatten(), out_features), dequantized
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,8 @@ torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, i
 torch::Tensor f32_matmul(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           int64_t out_features);
+torch::Tensor int8_channel_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                                  int64_t out_features);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,5 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_matmul", &bf16_matmul, "x times a bfloat16 weight interleaved by 16 rows");
   m.def("f32_matmul", &f32_matmul, "x times a plain [out, in] float32 weight, for steps of a few tokens");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
+  m.def("int8_channel_matmul", &int8_channel_matmul, "x times an int8 weight with one scale per row, x rounded per token");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }
