@@ -114,6 +114,25 @@ def test_no_op_fields_change_nothing_and_their_other_values_are_refused(srv):
         refused(post(srv, CHAT, {**body, field: value}), field, "invalid_value")
 
 
+def test_the_fields_routers_add_are_accepted_at_their_values_and_the_others_refused(srv):
+    """vllm-router and sglang-router add these to every request they forward (server/router_fields.py)."""
+    chat = {"messages": USER, "max_tokens": 6, "temperature": 0}
+    plain = ok(srv, CHAT, chat)["choices"][0]["message"]["content"]
+    added = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
+             "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+    assert ok(srv, CHAT, {**chat, **added})["choices"][0]["message"]["content"] == plain
+    assert ok(srv, CHAT, {**chat, "separate_reasoning": False, "include_reasoning": False})["choices"][0][
+        "message"]["content"] == plain
+    completion = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    plain = ok(srv, C, completion)["choices"][0]["text"]
+    assert ok(srv, C, {**completion, "no_stop_trim": False, "return_hidden_states": False})["choices"][0][
+        "text"] == plain
+    for path, body, field in ((C, completion, "no_stop_trim"), (C, completion, "return_hidden_states"),
+                              (CHAT, chat, "continue_final_message")):
+        refused(post(srv, path, {**body, field: True}), field, "invalid_value")
+    refused(post(srv, C, {**completion, "separate_reasoning": True}), "separate_reasoning", "unknown_parameter")
+
+
 def test_a_message_name_reaches_the_template_unless_it_spells_a_special_token(spied_server):
     srv, spy = spied_server
     body = {"max_tokens": 1, "temperature": 0}

@@ -8,7 +8,8 @@ Decisions (the malformed-input tests assert them):
   non-text content parts). A field no model declares (nested ones included: `stream_options.x`,
   `messages[0].x`) is a 400 naming it with code `unknown_parameter`, unless the server runs with
   --allow-unknown-fields (ServerConfig.allow_unknown_fields), for clients that send other servers' extras.
-  Structured-output fields: server/constraints.py; tools: server/tools.py.
+  Structured-output fields: server/constraints.py; tools: server/tools.py; the fields routers add:
+  server/router_fields.py.
 - Sampling fields a body leaves out (absent or null) get the server's defaults (`with_defaults`).
 - Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
 - Sizes are capped before any per-item work: prompts per completion and messages per chat come from the
@@ -28,6 +29,7 @@ from pydantic_core import PydanticCustomError
 from tinyserve.config import SamplingDefaults, ServerConfig
 from tinyserve.server.constraints import ResponseFormat, StructuredOutputsField, structured_output_of
 from tinyserve.server.errors import BadRequest
+from tinyserve.server.router_fields import RouterChatFields, RouterFields
 from tinyserve.server.tools import NamedToolChoice, ToolCall, ToolDefinition, ToolPlan
 from tinyserve.types import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams,
                              StructuredOutput)
@@ -219,7 +221,7 @@ class _SamplingFields(_Strict):
         return dataclasses.replace(params, **missing) if missing else params
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, RouterFields):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # 0 with echo: score the prompt, generate nothing (lm-eval's loglikelihood)
     logprobs: int | None = None
@@ -367,7 +369,7 @@ class _ChatBookkeepingFields(_Strict):
         return value
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields, RouterFields, RouterChatFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: up to the model's context
     max_completion_tokens: int | None = None
