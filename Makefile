@@ -32,7 +32,7 @@ generate: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
-# the hardening suite's long runs (chaos, slow readers, shutdown matrix); .ci/run runs them after `test`
+# the long runs (chaos, slow readers, shutdown matrix, parallel ranks on the real model); .ci/run runs them after `test`
 test-reliability: setup
 	$(VENV)/bin/pytest -q -m reliability
 

@@ -13,6 +13,7 @@ import torch
 from tinyserve.engine.block_manager import BlockManager
 from tinyserve.engine.model_runner import ModelRunner
 from tinyserve.engine.request import Request
+from tinyserve.engine.stage_runner import StageRunner
 from tinyserve.layers.kv_cache import KVLayout
 from tinyserve.loader.gguf import gguf_model_config, open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
@@ -22,14 +23,15 @@ BLOCK = 16
 
 
 def runner_without_model(config, layout: KVLayout, num_blocks: int) -> ModelRunner:
-    """What _prepare reads of a ModelRunner, set by hand (ModelRunner.__init__ wants a model and a pool)."""
+    """What _prepare and the stage's inputs read, set by hand (their __init__s want a model and a pool)."""
     runner = ModelRunner.__new__(ModelRunner)
-    runner.device, runner.dtype = torch.device("cpu"), torch.bfloat16
-    runner.block_size, runner.num_blocks = BLOCK, num_blocks
-    runner.num_heads, runner.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-    runner.layout = layout
-    runner.group_windows = layout.group_layer_windows(config.layer_sliding_windows())
-    runner.kv_cache, runner.decode_kernel = [None] * config.num_hidden_layers, True
+    runner.block_size, runner.layout, runner.num_micro_batches = BLOCK, layout, 1
+    stage = runner.stage = StageRunner.__new__(StageRunner)
+    stage.device, stage.dtype = torch.device("cpu"), torch.bfloat16
+    stage.block_size, stage.num_blocks, stage.layout = BLOCK, num_blocks, layout
+    stage.num_heads, stage.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+    stage.group_windows = layout.group_layer_windows(config.layer_sliding_windows())
+    stage.kv_caches, stage.decode_kernel = (None,) * config.num_hidden_layers, True
     return runner
 
 
@@ -52,7 +54,8 @@ def main() -> None:
             times = []
             for _ in range(30):
                 start = time.perf_counter()
-                runner._prepare(scheduled)
+                for micro_batch in runner._prepare(scheduled).plan.micro_batches:
+                    runner.stage.inputs(micro_batch)
                 times.append(time.perf_counter() - start)
             print(f"batch {batch}, {context} tokens, {name}: {statistics.median(times) * 1e3:.2f} ms", flush=True)
 

@@ -110,7 +110,7 @@ def test_window_groups_let_long_sequences_share_a_pool_too_small_to_keep_every_b
     engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
     assert engine.runner.layout.group_windows == (WINDOW, WINDOW, None)  # local layers 0, 1 | 3; global 2, 4
     if torch_decode:
-        engine.runner.decode_kernel = False
+        engine.runner.stage.decode_kernel = False
     logits = record_logits(engine)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (100,), generator=gen).tolist() for _ in range(4)]

@@ -136,7 +136,7 @@ def _check_engine_logits(case, budget: int, block_size: int, word_tokenizer, rec
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget))
     engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
     if torch_decode:
-        engine.runner.decode_kernel = False  # the decode groups' torch ops, as off the CPU kernels
+        engine.runner.stage.decode_kernel = False  # the decode groups' torch ops, as off the CPU kernels
     logits = record_logits(engine)
     sequences = _sequences(seed=2)
     prompts = [sequences[1], sequences[2][:21], sequences[2][50:53]]  # 37, 21 and 3 tokens

@@ -62,14 +62,20 @@ class _Stream(threading.Thread):
         return json.loads(self.events[-2])["choices"][0]["finish_reason"]
 
 
+def short_and_long_streams(base: str, first_token_s: float) -> tuple[_Stream, _Stream]:
+    """A stream of 12 tokens and one of 1,500, both started and past their first token."""
+    short, long = _Stream(base, 12), _Stream(base, 1500)
+    for s in (short, long):
+        s.start()
+        assert s.first_token.wait(first_token_s)
+    return short, long
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_zero():
     with _serving("--shutdown-timeout", "8") as (proc, base):  # the short one finishes well inside it on a slow CPU
         seen = _wait_ready(base, proc)
         assert "503 loading" in seen
-        short, long = _Stream(base, 12), _Stream(base, 1500)
-        for s in (short, long):
-            s.start()
-            assert s.first_token.wait(30)
+        short, long = short_and_long_streams(base, 30)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         refused = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)

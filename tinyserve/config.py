@@ -297,6 +297,41 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor x pipeline parallel (tinyserve/parallel/): T x P ranks, rank r in pipeline stage r // T at
+    tensor rank r % T. Rank 0 serves, schedules and samples; the others run their shard of each step."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Where the ranks meet (torch.distributed's TCP store). None: this process starts the other ranks itself,
+    # on this machine, at a free loopback port; set (with `rank`) when a launcher such as torchrun started
+    # every rank.
+    master_addr: str | None = None
+    master_port: int | None = None
+    rank: int = 0
+    local_rank: int | None = None  # the rank's index on its machine (its GPU); None: `rank`
+    # a collective that waits this long for another rank fails, and with it the engine (never a hang)
+    timeout_s: float = 30.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if (self.master_addr is None) != (self.master_port is None):
+            raise ValueError("master_addr and master_port are given together, or neither")
+        if self.master_addr is None and self.rank != 0:
+            raise ValueError("a rank other than 0 needs master_addr and master_port")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # alias, path to a .gguf file, or a Hugging Face checkpoint folder
     dtype: DType = "auto"
@@ -313,6 +348,7 @@ class EngineConfig:
     # Jinja source of a chat template used instead of the checkpoint's (--chat-template FILE, as vLLM's): for
     # checkpoints without one, such as a base model's GGUF. None: the checkpoint's, if it has one.
     chat_template: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

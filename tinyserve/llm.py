@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinyserve.config import (CacheConfig, DType, EngineConfig, GenerationConfigSource, Quantization, SchedulerConfig,
-                              SpeculativeConfig)
+from tinyserve.config import (CacheConfig, DType, EngineConfig, GenerationConfigSource, ParallelConfig, Quantization,
+                              SchedulerConfig, SpeculativeConfig)
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
@@ -64,7 +64,11 @@ class LLM:
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, seed: int = EngineConfig.seed,
                  generation_config: GenerationConfigSource = EngineConfig.generation_config,
                  override_generation_config: dict | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None,
+                 tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
+                 pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size):
+        """With tensor / pipeline parallel the other ranks run as subprocesses on this machine until
+        `close()` (or this process's end)."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, quantization=quantization, seed=seed,
             generation_config=generation_config, override_generation_config=override_generation_config or {},
@@ -73,9 +77,20 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
             speculative=speculative or SpeculativeConfig(),
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the other ranks (tensor / pipeline parallel); a no-op in one process."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:

@@ -250,13 +250,17 @@ class AsyncEngine:
         """The loop's turn for this engine: apply the inbox and run one step if there is work. False
         once the engine is stopping or has failed, and the loop detaches it."""
         with self._wake:
-            if self._stopping:
-                return False
-            inbox, self._inbox = self._inbox, []
-        if not inbox and not self.engine.has_schedulable_requests():
-            return True
-        self._busy_since = time.monotonic()
+            stopping = self._stopping
+            inbox, self._inbox = ([], self._inbox) if stopping else (self._inbox, [])
+        if stopping:
+            self._close_engine()
+            return False
         try:
+            if not inbox and not self.engine.has_schedulable_requests():
+                if self.engine.has_ranks:  # idle: check that the other ranks are still there
+                    self.engine.keep_alive()
+                return True
+            self._busy_since = time.monotonic()
             self._iterate(inbox)
         except BaseException as exc:  # noqa: BLE001 - any escape kills this engine: report it everywhere
             logger.exception("engine loop died")
@@ -264,9 +268,17 @@ class AsyncEngine:
             with self._streams_lock:
                 self.error = exc
             self._fail_all(EngineDeadError("the engine failed"))
+            self._close_engine()
             return False
         self._busy_since = None
         return True
+
+    def _close_engine(self) -> None:
+        """The engine's last act on this thread: send its other ranks home (tensor / pipeline parallel)."""
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - the ranks may be gone already: nothing is left to release
+            logger.exception("closing the engine failed")
 
     def _iterate(self, inbox: list[_Add | _Abort | _Pause]) -> None:
         """Apply the inbox, run one step if there is work, publish stats and outputs."""

@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 
 from tinyserve.config import EngineConfig
+from tinyserve.engine import rank_setup
 from tinyserve.engine.block_manager import BlockManager
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
@@ -39,9 +40,11 @@ from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
 from tinyserve.engine.stats import EngineStats
 from tinyserve.engine.structured_output import StructuredOutputs
-from tinyserve.layers.kv_cache import KVLayout, kv_cache_slots, layer_caches
+from tinyserve.layers.kv_cache import KVLayout, layer_caches
 from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
 from tinyserve.models.registry import device_and_dtype
+from tinyserve.parallel.group import RankFailure
+from tinyserve.parallel.launch import Ranks
 from tinyserve.types import FinishReason, InvalidRequest, Job, RequestOutput, SamplingParams, TokenLogprob, run_to_end
 
 logger = logging.getLogger(__name__)
@@ -67,9 +70,24 @@ class LLMEngine:
         return engine
 
     def _set_up(self, config: EngineConfig, loaded: LoadedModel | None, draft: LoadedModel | None) -> Job[None]:
+        ranks = None  # tensor / pipeline parallel: this rank's group (engine/rank_setup.py)
+        if loaded is None and config.parallel.world_size > 1:
+            ranks = rank_setup.join(config)
+        try:
+            yield from self._set_up_with(config, loaded, draft, ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.close(wait_s=5.0)
+            raise
+
+    def _set_up_with(self, config: EngineConfig, loaded: LoadedModel | None, draft: LoadedModel | None,
+                     ranks: Ranks | None) -> Job[None]:
         if loaded is None:
             map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory.py)
-            loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization)
+            if ranks is not None:
+                loaded = yield from rank_setup.load_shard(config, ranks)
+            else:
+                loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization)
         if config.speculative.method == "draft":
             if draft is None:
                 draft = yield from load_draft_model_in_pieces(config)
@@ -86,7 +104,11 @@ class LLMEngine:
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         draft_bytes = kv_bytes_per_token(draft.config, device_and_dtype(draft.model)[1]) if draft else 0
         layout = KVLayout.for_windows(loaded.config.layer_sliding_windows())
-        cache_config = resolve_cache_config(config.cache, loaded.config, dtype, device, max_model_len,
+        cache = config.cache
+        if ranks is not None:  # the blocks every rank's budget holds
+            layout, num_blocks = rank_setup.agree_num_blocks(config, ranks, loaded, dtype)
+            cache = replace(cache, num_blocks=num_blocks)
+        cache_config = resolve_cache_config(cache, loaded.config, dtype, device, max_model_len,
                                             scheduler_config.max_num_batched_tokens, layout, draft_bytes)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
         self.max_model_len = max_model_len
@@ -100,14 +122,14 @@ class LLMEngine:
             keep_freed_host_memory()
         self.structured_outputs = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                                     loaded.config.eos_token_ids)
-        kv_slots = []
-        for slot in kv_cache_slots(loaded.config, layout, cache_config.num_blocks, cache_config.block_size, dtype,
-                                   device):
-            kv_slots.append(slot)
+        kv_slots = {}
+        for slot, pool in rank_setup.rank_kv_slots(loaded, layout, cache_config.num_blocks, cache_config.block_size,
+                                                   dtype, device):
+            kv_slots[slot] = pool
             yield
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
                                   fill_bitmask=self.structured_outputs.fill_bitmask,
-                                  kv_cache=layer_caches(layout, kv_slots), layout=layout)
+                                  kv_cache=layer_caches(layout, kv_slots), layout=layout, ranks=ranks)
         self.outputs = OutputProcessor(self.tokenizer)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative.method == "ngram":
@@ -212,6 +234,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # tensor / pipeline parallel
+
+    @property
+    def has_ranks(self) -> bool:
+        """Other ranks compute with this one (they wait for its steps, and it should check on them while idle)."""
+        return self.runner.ranks is not None
+
+    def keep_alive(self) -> None:
+        """While idle: RankFailure unless every other rank is still there."""
+        self.runner.keep_alive()
+
+    def close(self) -> None:
+        """Release what outlives the object: the other ranks (sent home) and the group."""
+        self.runner.close()
+
     def has_schedulable_requests(self) -> bool:
         """Unfinished requests that are not all paused: a step now would do something."""
         return self.scheduler.has_schedulable_requests()
@@ -230,7 +267,7 @@ class LLMEngine:
         self.num_prefill_tokens += num_prefill
         try:
             result = self._execute(plan)
-        except AssertionError:
+        except (AssertionError, RankFailure):  # a broken invariant, or a rank lost: the engine's end
             raise
         except Exception as exc:
             return self._fail_batch(plan, exc)

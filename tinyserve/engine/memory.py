@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import replace
@@ -51,6 +52,46 @@ def _free_device_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
+    """The KV pool's bytes (each rank's, with tensor or pipeline parallel, as vLLM's per-device budget)."""
+    if cache.kv_cache_memory_gib is not None:
+        return int(cache.kv_cache_memory_gib * GIB)
+    if device.type == "cpu":
+        return int(cache.cpu_kv_cache_memory_gib * GIB)
+    return int(_free_device_bytes(device) * cache.memory_fraction)
+
+
+def rank_num_blocks(cache: CacheConfig, model: ModelConfig, layout: KVLayout, layers: range, num_kv_heads: int,
+                    dtype: torch.dtype, device: torch.device) -> int:
+    """The blocks one rank's budget holds for its own layers' slots and KV heads (tensor / pipeline
+    parallel: every rank computes its own, and the group takes the least)."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    dtype_size = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * num_kv_heads * model.head_dim * dtype_size * len(layout.slots_of(layers))
+    return kv_budget_bytes(cache, device) // (per_token * cache.block_size)
+
+
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors a loaded model holds: parameters, buffers, and the packed or quantized formats
+    its linears multiply by (whose tensors live in a weight format, its parameter a meta placeholder)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        values = [*module._parameters.values(), *module._buffers.values()]
+        weight_format = getattr(module, "weight_format", None)
+        if dataclasses.is_dataclass(weight_format):
+            values += [getattr(weight_format, f.name) for f in dataclasses.fields(weight_format)]
+        for t in values:
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def host_free_bytes() -> int:
+    return _free_device_bytes(torch.device("cpu"))
+
+
 def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
                          max_model_len: int, max_chunk: int, layout: KVLayout | None = None,
                          draft_bytes_per_token: int = 0) -> CacheConfig:
@@ -62,12 +103,7 @@ def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dt
         num_blocks = cache.num_blocks
         budget = None
     else:
-        if cache.kv_cache_memory_gib is not None:
-            budget = int(cache.kv_cache_memory_gib * GIB)
-        elif device.type == "cpu":
-            budget = int(cache.cpu_kv_cache_memory_gib * GIB)
-        else:
-            budget = int(_free_device_bytes(device) * cache.memory_fraction)
+        budget = kv_budget_bytes(cache, device)
         num_blocks = num_blocks_for_budget(model, layout, cache.block_size, dtype, budget, draft_bytes_per_token)
     bs = cache.block_size
     if num_blocks < blocks_held(layout.group_windows, max_model_len, max_chunk, bs):

@@ -2,13 +2,16 @@
 
 The batch has no padding between sequences: each sequence contributes exactly the tokens the scheduler
 gave it. Sequences with one new token (decodes) go first, longest context first, so that attention can
-treat them together (layers/attention.py). The step's AttentionMetadata, decode plan included, is built
-completely here, before the forward; the layers only read it.
+treat them together (layers/attention.py). The step becomes a StepPlan of host lists (engine/step_plan.py);
+the StageRunner builds its AttentionMetadata, decode plan included, before the forward (the layers only
+read it). With tensor or pipeline parallel the plan is first broadcast to the other ranks, which build the
+same from it (engine/worker.py), and a pipelined step is cut into one micro-batch per stage.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,17 +20,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tinyserve.engine import rejection_sampler
+from tinyserve.engine import rejection_sampler, step_plan
 from tinyserve.engine.request import Request
 from tinyserve.engine.sampler import Sampler, TokenMasks, prompt_token_logprobs
-from tinyserve.layers.attention_metadata import AttentionMetadata
+from tinyserve.engine.stage_runner import StageRunner
+from tinyserve.engine.step_plan import MessageKind, MicroBatchPlan, StepPlan
 from tinyserve.layers.kv_cache import KVCache, KVLayout, allocate_kv_cache
-from tinyserve.layers.ops import decode_kernel_applies
 from tinyserve.models.registry import device_and_dtype
+from tinyserve.parallel.launch import Ranks
 from tinyserve.types import TokenLogprob
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
+
+logger = logging.getLogger(__name__)
 
 # prompt rows scored per LM-head call: bounds the [rows, vocab] float32 logits a long prefill chunk makes
 PROMPT_LOGITS_ROWS = 128
@@ -54,15 +60,17 @@ class _PromptSpan:
     first_row: int
     token_ids: list[int]  # the prompt token each row predicts, in order
 
+    def row_chunks(self) -> list[list[int]]:
+        """Its rows, PROMPT_LOGITS_ROWS per LM-head call."""
+        rows = range(self.first_row, self.first_row + len(self.token_ids))
+        return [list(rows[i : i + PROMPT_LOGITS_ROWS]) for i in range(0, len(rows), PROMPT_LOGITS_ROWS)]
+
 
 @dataclass
 class _Batch:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    # [num_sample_rows] the rows whose logits are sampled: each sampled sequence's last known token, then
-    # its proposed tokens (if any), in order
-    sample_rows: torch.Tensor
+    # what every rank computes; its logit calls: each prompt span's row chunks, then (when any sequence
+    # samples) the sampled rows: each sampled sequence's last known token, then its proposed tokens, in order
+    plan: StepPlan
     sampled_requests: list[Request]
     proposals: list[list[int]]  # per sampled request, the proposed tokens this step verifies (often none)
     prompt_spans: list[_PromptSpan]
@@ -76,31 +84,31 @@ def _batch_order(request: Request, num_new: int) -> tuple[bool, int]:
 
 
 class ModelRunner:
-    """Owns the model, the KV pool (allocated once, before the first step) and the sampler."""
+    """Owns the model, the KV pool (allocated once, before the first step) and the sampler; with tensor or
+    pipeline parallel (`ranks`), rank 0's part of the model and pool, and the step's broadcast."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, seed: int = 0,
                  fill_bitmask: Callable[[list[LLMatcher]], torch.Tensor] | None = None,
-                 kv_cache: list[KVCache] | None = None, layout: KVLayout | None = None):
-        """`kv_cache`: each layer's pool in `layout` (flat when None), allocated by the caller (LLMEngine, a
-        slot at a time), or here when None."""
+                 kv_cache: list[KVCache | None] | None = None, layout: KVLayout | None = None,
+                 ranks: Ranks | None = None):
+        """`kv_cache`: each layer's pool in `layout` (flat when None; None for layers other stages hold),
+        allocated by the caller (LLMEngine, a slot at a time), or here when None."""
         self.device, self.dtype = device_and_dtype(model)
         self.model = model
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.block_size = block_size
         self.layout = layout or KVLayout.flat(model.config.num_hidden_layers)
-        # one decode plan per window a group's layers use
-        self.group_windows = self.layout.group_layer_windows(model.config.layer_sliding_windows())
         if kv_cache is None:
             kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device, self.layout)
         self.kv_cache = kv_cache
+        self.stage = StageRunner(model, kv_cache, self.layout, num_blocks, block_size, ranks)
+        self.ranks = ranks
+        # a pipelined step is cut into this many micro-batches, so that every stage has one to work on
+        self.num_micro_batches = ranks.topology.pp_size if ranks is not None else 1
         self.sampler = Sampler(seed)
         # constrained sequences' token masks (StructuredOutputs.fill_bitmask), computed on a worker thread
         # while the forward runs: each depends only on the tokens its sequence already has
         self._fill_bitmask = fill_bitmask
         self._mask_worker: ThreadPoolExecutor | None = None
-        # The decode plan's kernel-or-torch choice, made once; the kernels build (or load) here, at
-        # start-up, not in the first timed step.
-        self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
@@ -109,11 +117,14 @@ class ModelRunner:
         requests = batch.sampled_requests
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
         pending_masks = self._start_masks([requests[i].matcher for i in constrained]) if constrained else None
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
-        prompt_logprobs = {span.request: self._score_prompt(hidden, span) for span in batch.prompt_spans}
+        if self.ranks is not None:
+            step_plan.broadcast(self.ranks.host, MessageKind.STEP, batch.plan)
+        hidden = self.stage.forward(batch.plan)  # [num_tokens, hidden]
+        logit_calls = iter(batch.plan.logit_calls)
+        prompt_logprobs = {span.request: self._score_prompt(hidden, span, logit_calls) for span in batch.prompt_spans}
         if not requests:
             return StepResult({}, {}, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sample_rows, vocab]
+        logits = self.stage.logits(hidden, next(logit_calls))  # [num_sample_rows, vocab]
         if any(batch.proposals):  # constrained requests never propose: one row each, found by row offset
             first_rows = list(itertools.accumulate((1 + len(p) for p in batch.proposals), initial=0))
             constrained_rows = [first_rows[i] for i in constrained]
@@ -127,14 +138,31 @@ class ModelRunner:
         logprobs = {r: [lp] for r, lp in zip(requests, out.logprobs) if lp is not None}
         return StepResult({r: [t] for r, t in zip(requests, out.next_token_ids)}, logprobs, prompt_logprobs)
 
-    def _score_prompt(self, hidden: torch.Tensor, span: _PromptSpan) -> list[TokenLogprob]:
-        """The logprobs of the prompt tokens a span's rows predict, PROMPT_LOGITS_ROWS rows at a time."""
+    def keep_alive(self) -> None:
+        """While idle: tell the other ranks rank 0 is alive (RankFailure if one is not)."""
+        if self.ranks is not None:
+            step_plan.broadcast(self.ranks.host, MessageKind.HEARTBEAT)
+
+    def close(self) -> None:
+        """Send the other ranks home (best effort: some may be gone) and leave the group."""
+        if self.ranks is None:
+            return
+        if self.ranks.topology.pp_size > 1:
+            logger.info("rank 0: %s", self.stage.describe_bubble())
+        try:
+            step_plan.broadcast(self.ranks.host, MessageKind.STOP)
+        except RuntimeError:
+            pass
+        self.ranks.close()
+        self.ranks = None
+
+    def _score_prompt(self, hidden: torch.Tensor, span: _PromptSpan, logit_calls) -> list[TokenLogprob]:
+        """The logprobs of the prompt tokens a span's rows predict, one LM-head call per row chunk."""
         k = span.request.sampling_params.prompt_logprobs
         scored: list[TokenLogprob] = []
         for start in range(0, len(span.token_ids), PROMPT_LOGITS_ROWS):
             token_ids = span.token_ids[start : start + PROMPT_LOGITS_ROWS]
-            rows = hidden[span.first_row + start : span.first_row + start + len(token_ids)]  # [rows, hidden]
-            scored += prompt_token_logprobs(self.model.compute_logits(rows), token_ids, k)
+            scored += prompt_token_logprobs(self.stage.logits(hidden, next(logit_calls)), token_ids, k)
         return scored
 
     def _start_masks(self, matchers: list[LLMatcher]) -> Future[torch.Tensor]:
@@ -152,9 +180,11 @@ class ModelRunner:
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         seq_lens, query_lens, sample_rows, sampled, prompt_spans = [], [], [], [], []
         proposals: list[list[int]] = []
+        request_starts: list[tuple[int, int]] = []  # each request's first token and first sequence row
         bs = self.block_size
         for i in order:
             request, num_new = scheduled[i]
+            request_starts.append((len(input_ids), len(seq_lens)))
             start = request.num_computed_tokens
             end = start + num_new
             proposal = request.spec_token_ids  # positions num_tokens.. (the scheduler fit them to the chunk)
@@ -182,17 +212,24 @@ class ModelRunner:
                 sample_rows.extend(range(len(input_ids) - 1 - len(proposal), len(input_ids)))
                 sampled.append(request)
                 proposals.append(proposal)
-        device = self.device
-        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, block_size=bs, num_blocks=self.num_blocks,
-                                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=device,
-                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
-                                       layer_groups=self.layout.layer_groups, group_windows=self.group_windows)
-        return _Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-            sampled_requests=sampled,
-            proposals=proposals,
-            prompt_spans=prompt_spans,
-        )
+        whole = MicroBatchPlan(input_ids, positions, slots, tables, seq_lens, query_lens)
+        logit_calls = [rows for span in prompt_spans for rows in span.row_chunks()]
+        if sampled:
+            logit_calls.append(sample_rows)
+        micro_batches = (_split(whole, request_starts, self.num_micro_batches) if self.num_micro_batches > 1
+                         else [whole])
+        return _Batch(StepPlan(micro_batches, logit_calls), sampled, proposals, prompt_spans)
+
+
+def _split(whole: MicroBatchPlan, request_starts: list[tuple[int, int]], parts: int) -> list[MicroBatchPlan]:
+    """Up to `parts` micro-batches of about equal tokens, cut between requests (a verify step's rows stay
+    together); their concatenation is `whole`."""
+    num_tokens = len(whole.input_ids)
+    cuts, target = [(0, 0)], num_tokens / parts
+    for token, row in request_starts[1:]:
+        if len(cuts) < parts and token >= target * len(cuts):
+            cuts.append((token, row))
+    cuts.append((num_tokens, len(whole.seq_lens)))
+    return [MicroBatchPlan(whole.input_ids[t0:t1], whole.positions[t0:t1], [s[t0:t1] for s in whole.slot_mappings],
+                           [t[r0:r1] for t in whole.block_tables], whole.seq_lens[r0:r1], whole.query_lens[r0:r1])
+            for (t0, r0), (t1, r1) in zip(cuts, cuts[1:])]

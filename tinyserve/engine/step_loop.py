@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # A job's time per round while engines have work: what it adds to their step interval (docs/PERFORMANCE.md,
 # "Several models": the time-to-first-token of requests during a swap, and how long the swap takes).
 JOB_SLICE_S = 0.05
+# While idle, an engine with tensor / pipeline parallel ranks checks on them this often, so that a lost rank
+# fails the engine (and /health) within about this long even when no request is running.
+KEEP_ALIVE_S = 1.0
 
 
 class StepLoop:
@@ -82,7 +85,8 @@ class StepLoop:
             with self.wake:
                 while not self._jobs and not self._is_stopping and not self._has_engine_work():
                     self._mark_idle()
-                    self.wake.wait()
+                    if not self.wake.wait(self._idle_wait_s()):
+                        break  # an engine with other ranks checks on them (AsyncEngine.run_once)
                 if self._is_stopping:
                     engines, self._engines = self._engines, []
                     break
@@ -100,6 +104,11 @@ class StepLoop:
             job.close()
             if not future.done():
                 future.set_exception(RuntimeError("the step loop has stopped"))
+
+    def _idle_wait_s(self) -> float | None:
+        """Called holding `wake`: how long to sleep without work (for ever, unless an engine has other
+        ranks, which wait for its steps and are checked on every KEEP_ALIVE_S)."""
+        return KEEP_ALIVE_S if any(engine.engine.has_ranks for engine in self._engines) else None
 
     def _has_engine_work(self) -> bool:
         """Called holding `wake`."""

@@ -19,6 +19,8 @@ from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.quant import Int8Weight
 from tinyserve.layers.weight_format import DenseWeight
+from tinyserve.parallel.group import SINGLE, TensorParallelGroup
+from tinyserve.parallel.shard import CheckpointSlice, column_slice
 
 
 class Embedding(DirectCall, nn.Embedding):
@@ -26,9 +28,15 @@ class Embedding(DirectCall, nn.Embedding):
     head (set by quantize_linear_weights; `weight` is then a placeholder on meta). The same NOTE as
     Linear's holds: a replaced parameter needs use_dense_weight again."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup = SINGLE):
+        """Tensor parallel: this rank holds rows [rank x V / T, (rank + 1) x V / T) of the V-token vocabulary."""
+        self.weight_slice = column_slice(num_embeddings, tp)
+        super().__init__(num_embeddings // tp.size, embedding_dim)
+        self.tp = tp
         self.use_dense_weight()
+
+    def checkpoint_slice(self, attr: str, shard: int | None) -> CheckpointSlice | None:
+        return self.weight_slice
 
     def reset_parameters(self) -> None:
         pass  # filled by the loader (see the module docstring)
@@ -37,4 +45,10 @@ class Embedding(DirectCall, nn.Embedding):
         self.weight_format: DenseWeight | Int8Weight = DenseWeight(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ops.embedding(ids, self.weight_format).to(self.weight.dtype)  # int8 rows come as float32
+        if self.weight_slice is None:
+            return ops.embedding(ids, self.weight_format).to(self.weight.dtype)  # int8 rows come as float32
+        # this rank's rows, zeros for the others' ids; the sum over the group has every row exactly
+        local = ids - self.weight_slice.start
+        outside = (local < 0) | (local >= self.weight_slice.length)
+        rows = ops.embedding(local.masked_fill(outside, 0), self.weight_format).to(self.weight.dtype)
+        return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(1), 0))

@@ -74,6 +74,10 @@ class KVLayout:
                 group_windows.append(window)
         return cls(tuple(layer_groups), tuple(layer_slots), tuple(group_windows))
 
+    def slots_of(self, layers: range) -> list[int]:
+        """The pool slots these layers read and write, in order."""
+        return sorted({self.layer_slots[i] for i in layers})
+
     def group_layer_windows(self, layer_windows: Sequence[int | None]) -> tuple[frozenset[int | None], ...]:
         """The windows each group's layers use (the decode plans its table needs)."""
         return tuple(frozenset(w for w, g in zip(layer_windows, self.layer_groups, strict=True) if g == group)
@@ -84,21 +88,26 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
                       device: torch.device, layout: KVLayout | None = None) -> list[KVCache]:
     """One zero-filled pool per slot, as each layer's (layers of one slot share it); flat by default."""
     layout = layout or KVLayout.flat(config.num_hidden_layers)
-    return layer_caches(layout, list(kv_cache_slots(config, layout, num_blocks, block_size, dtype, device)))
+    return layer_caches(layout, dict(kv_cache_slots(config, layout, num_blocks, block_size, dtype, device)))
 
 
-def layer_caches(layout: KVLayout, slots: Sequence[KVCache]) -> list[KVCache]:
-    """Each layer's pool, by its slot."""
-    return [slots[slot] for slot in layout.layer_slots]
+def layer_caches(layout: KVLayout, slots: dict[int, KVCache]) -> list[KVCache | None]:
+    """Each layer's pool, by its slot; None for a layer whose slot this rank did not allocate (a layer
+    another pipeline stage holds)."""
+    return [slots.get(slot) for slot in layout.layer_slots]
 
 
 def kv_cache_slots(config: ModelConfig, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
-                   device: torch.device) -> Iterator[KVCache]:
-    """The layout's pool tensors one slot at a time: filling a pool with zeros takes a while (it touches
-    every page), and a model loading beside others does it between their steps (LLMEngine.build_in_pieces)."""
-    shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    for _ in range(layout.num_slots):
-        yield KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   device: torch.device, num_kv_heads: int | None = None,
+                   layers: range | None = None) -> Iterator[tuple[int, KVCache]]:
+    """(slot, its pool) one slot at a time: filling a pool with zeros takes a while (it touches every page),
+    and a model loading beside others does it between their steps (LLMEngine.build_in_pieces). Tensor and
+    pipeline parallel: a rank's own KV heads (num_kv_heads), and only the slots of its `layers`."""
+    heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    shape = (heads, num_blocks, block_size, config.head_dim)
+    for slot in layout.slots_of(range(config.num_hidden_layers) if layers is None else layers):
+        yield slot, KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device))
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

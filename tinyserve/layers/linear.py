@@ -21,6 +21,8 @@ from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
+from tinyserve.parallel.group import TensorParallelGroup
+from tinyserve.parallel.shard import CheckpointSlice
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,12 @@ class Linear(DirectCall, nn.Linear):
     data); whatever replaces the parameter itself (the loader materializing the meta model) must call
     use_dense_weight again (use_dense_weights)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, is_lm_head: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, is_lm_head: bool = False,
+                 weight_slice: CheckpointSlice | None = None):
         super().__init__(in_features, out_features, bias=bias)
+        # tensor parallel: the rows (column-parallel) or columns (row-parallel) of the checkpoint's matrix
+        # this rank holds (parallel/shard.py); None: all of it
+        self.weight_slice = weight_slice
         self.is_lm_head = is_lm_head  # set by the model that builds its head: quantized to int8 in both modes
         # bits per weight its checkpoint stored it at, the most over a merged one's shards (set by the loader;
         # None: float or unknown): int4 mode quantizes a matrix stored at more than 4 bits to int8
@@ -44,18 +50,51 @@ class Linear(DirectCall, nn.Linear):
     def use_dense_weight(self) -> None:
         self.weight_format: LinearWeight = DenseWeight(self.weight)
 
+    def checkpoint_slice(self, attr: str, shard: int | None) -> CheckpointSlice | None:
+        """Where a parameter's values lie in its checkpoint tensor (the loader cuts it there)."""
+        if attr == "bias" and self.weight_slice is not None and self.weight_slice.dim == 1:
+            return None  # a row-parallel layer adds its whole bias once, after the sum
+        return self.weight_slice
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight_format, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """Tensor parallel's second matmul (o_proj, down_proj): this rank's input columns times its slice of
+    the input, summed over the group, then the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup):
+        weight_slice = CheckpointSlice(1, tp.rank * in_features, in_features, in_features * tp.size)
+        super().__init__(in_features, out_features, bias=bias, weight_slice=weight_slice)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(ops.linear(x, self.weight_format))
+        return out if self.bias is None else out + self.bias
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup) -> Linear:
+    """A Linear of this rank's in_features inputs (its share of the checkpoint's), summed over the group."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
 class MergedLinear(Linear):
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 shard_slices: list[CheckpointSlice | None] | None = None):
+        """shard_slices: tensor parallel's rows of each stacked projection's checkpoint tensor on this rank."""
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
+        self.shard_slices = shard_slices or [None] * len(output_sizes)
 
     def shard_offset(self, shard: int) -> tuple[int, int]:
         """(first output row, number of rows) of one stacked projection."""
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
+
+    def checkpoint_slice(self, attr: str, shard: int | None) -> CheckpointSlice | None:
+        return None if shard is None else self.shard_slices[shard]
 
 
 class TiedLMHead(DirectCall, nn.Module):

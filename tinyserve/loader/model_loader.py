@@ -36,6 +36,7 @@ from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields,
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.weights import load_weights_in_pieces, match_tensors
 from tinyserve.models.registry import get_model_class
+from tinyserve.parallel.shard import ModelShard
 from tinyserve.types import Job, run_to_end
 
 logger = logging.getLogger(__name__)
@@ -136,20 +137,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, ignore=lambda _: False,
-                quantization: str | None = None) -> nn.Module:
-    return run_to_end(build_model_in_pieces(config, tensors, dtype, device, ignore, quantization))
+                quantization: str | None = None, shard: ModelShard | None = None) -> nn.Module:
+    return run_to_end(build_model_in_pieces(config, tensors, dtype, device, ignore, quantization, shard))
 
 
 def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device,
-                          ignore=lambda _: False, quantization: str | None = None) -> Job[nn.Module]:
+                          ignore=lambda _: False, quantization: str | None = None,
+                          shard: ModelShard | None = None) -> Job[nn.Module]:
     """build_model, in pieces of at most one tensor (or block of rows) read, or one linear quantized or
-    packed, each."""
+    packed, each. shard: the part of the model this rank holds (tensor / pipeline parallel; None: all)."""
     check_quantization(quantization, dtype, device)
     cls = get_model_class(config.architecture)
     # A quantized model is quantized from float32 weights (a GGUF's exact dequantized values), then cast.
     load_dtype = torch.float32 if quantization else dtype
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, shard)
     # Names and shapes from the files' headers against the model on meta: a config that does not describe
     # the checkpoint (say 10^12 parameters beside a 1 MB file) is refused before anything is allocated.
     tensors = list(tensors)
@@ -183,12 +185,29 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     use_dense_weights(model)
 
 
+def weight_bytes_by_layer(config: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int]:
+    """(each layer's parameter bytes, the rest's: embedding, final norm, LM head) at `dtype`, from the model
+    built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    per_layer, rest = [0] * config.num_hidden_layers, 0
+    size = torch.empty((), dtype=dtype).element_size()
+    for name, param in model.named_parameters():
+        if name.startswith("model.layers."):
+            per_layer[int(name.split(".")[2])] += param.numel() * size
+        else:
+            rest += param.numel() * size
+    return per_layer, rest
+
+
 def load_model(model: str, dtype: str, device: str, quantization: str | None = None) -> LoadedModel:
     return run_to_end(load_model_in_pieces(model, dtype, device, quantization))
 
 
-def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str | None = None) -> Job[LoadedModel]:
-    """load_model as a job (tinyserve/types.py): the file's header, the tokenizer, then build_model's pieces."""
+def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str | None = None,
+                         shard_for: Callable[[ModelConfig, torch.dtype], ModelShard] | None = None) -> Job[LoadedModel]:
+    """load_model as a job (tinyserve/types.py): the file's header, the tokenizer, then build_model's pieces.
+    shard_for: tensor / pipeline parallel's choice of this rank's part, from the checkpoint's config."""
     path = resolve_model_path(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -197,18 +216,18 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
         config = hf_model_config(path)
         recommended = hf_sampling_fields(path)
         tokenizer = Tokenizer.from_folder(path)
-        yield
-        net = yield from build_model_in_pieces(config, hf_tensors(path), torch_dtype, torch_device,
-                                               ignore=partial(hf_ignored, config=config), quantization=quantization)
+        tensors, ignore = hf_tensors(path), partial(hf_ignored, config=config)
     else:
         reader = open_gguf(path)
         yield
         config = gguf_model_config(reader)
         recommended = gguf_sampling_fields(reader) or dict(ALIAS_SAMPLING.get(model, {}))
         tokenizer = Tokenizer.from_gguf(reader)
-        yield
-        net = yield from build_model_in_pieces(config, gguf_tensors(reader, config), torch_dtype, torch_device,
-                                               quantization=quantization)
+        tensors, ignore = gguf_tensors(reader, config), lambda _: False
+    yield
+    shard = shard_for(config, torch_dtype) if shard_for is not None else None
+    net = yield from build_model_in_pieces(config, tensors, torch_dtype, torch_device, ignore=ignore,
+                                           quantization=quantization, shard=shard)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     config = _with_eos(config, eos, tokenizer.bos_token_id)
     logger.info("loaded %s (%s, %s%s on %s) in %.1fs", path.name, config.architecture, torch_dtype,

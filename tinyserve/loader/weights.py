@@ -18,6 +18,7 @@ from torch import nn
 from tinyserve.layers.linear import Linear, MergedLinear
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.names import to_param_name
+from tinyserve.parallel.shard import CheckpointSlice
 
 # A checkpoint tensor: its Hugging Face name and a function producing it (lazily, so at most one
 # tensor's temporary copy exists at a time). The loaders' producers are TensorSources.
@@ -61,47 +62,69 @@ def _expected_slots(model: nn.Module) -> dict[tuple[str, int | None], str]:
     return slots
 
 
-def _target(model: nn.Module, param_name: str, shard: int | None) -> tuple[torch.Tensor, Linear | None]:
-    """The parameter (or the shard of one) that a tensor fills, and the Linear whose weight that is, if any."""
+@dataclass(frozen=True)
+class Match:
+    """A checkpoint tensor and where it goes: the parameter (or the shard of one) it fills, the part of it
+    this rank holds (tensor parallel; None: all), and the Linear whose weight that is, if any."""
+
+    hf_name: str
+    produce: Callable[[], torch.Tensor]
+    target: torch.Tensor
+    part: CheckpointSlice | None
+    linear: Linear | None
+
+    def read(self) -> torch.Tensor:
+        tensor = self.produce()
+        _check_shape(self.hf_name, tuple(tensor.shape), self.target, self.part)  # the data, whatever the header said
+        part = self.part
+        return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
+
+
+def _target(model: nn.Module, param_name: str, shard: int | None) -> tuple[torch.Tensor, CheckpointSlice | None,
+                                                                           Linear | None]:
     module_name, _, attr = param_name.rpartition(".")
     module = model.get_submodule(module_name)
     param = getattr(module, attr)
     linear = module if isinstance(module, Linear) and attr == "weight" else None
+    part = module.checkpoint_slice(attr, shard) if hasattr(module, "checkpoint_slice") else None
     if shard is None:
-        return param.data, linear
+        return param.data, part, linear
     start, size = module.shard_offset(shard)
-    return param.data.narrow(0, start, size), linear
+    return param.data.narrow(0, start, size), part, linear
 
 
-def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor) -> None:
-    if shape != tuple(target.shape):
-        raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")
-
-
-# (name, producer, the parameter or the shard of one that the tensor fills, the Linear whose weight it is)
-Match = tuple[str, Callable[[], torch.Tensor], torch.Tensor, Linear | None]
+def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor, part: CheckpointSlice | None) -> None:
+    expected = list(target.shape)
+    if part is not None:  # the checkpoint holds every rank's part
+        expected[part.dim] = part.full
+    if shape != tuple(expected):
+        raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(expected)}")
 
 
 def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
                   ignore: Callable[[str], bool] = lambda _: False) -> list[Match]:
     """A Match for every checkpoint tensor not ignored, or the error of the first unexpected, repeated,
     missing or (where its producer knows its shape) misshapen one. Reads no tensor, so it runs on the
-    meta device too."""
+    meta device too. A model that is one rank's shard (`model.shard`) skips the tensors of other ranks'
+    layers, unread."""
     packed = getattr(model, "packed_modules", {})
+    shard = getattr(model, "shard", None)
     missing = _expected_slots(model)
     matched = []
     for hf_name, produce in tensors:
         if ignore(hf_name):
             continue
-        param_name, shard = to_param_name(hf_name, packed)
-        if (param_name, shard) not in missing:
+        param_name, index = to_param_name(hf_name, packed)
+        if shard is not None and not shard.holds_param(param_name):
+            continue
+        if (param_name, index) not in missing:
             seen = "loaded twice" if param_name in dict(model.named_parameters()) else "unexpected"
             raise ModelLoadError(f"tensor {hf_name!r} is {seen} for {type(model).__name__}")
-        target, linear = _target(model, param_name, shard)
+        target, part, linear = _target(model, param_name, index)
         if isinstance(produce, TensorSource):
-            _check_shape(hf_name, produce.shape, target)
-        del missing[(param_name, shard)]
-        matched.append((hf_name, produce, target, linear))
+            _check_shape(hf_name, produce.shape, target, part)
+        del missing[(param_name, index)]
+        matched.append(Match(hf_name, produce, target, part, linear))
     if missing:
         names = sorted(missing.values())
         more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
@@ -112,24 +135,29 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
                            ignore: Callable[[str], bool] = lambda _: False) -> Iterator[None]:
     """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
-    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows.
-    A Linear's `stored_bits` becomes the most its weight's tensors (the shards of a merged one) are stored at."""
-    for hf_name, produce, target, linear in match_tensors(model, tensors, ignore):
+    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
+    rank's rows of a tensor-parallel one alone). A Linear's `stored_bits` becomes the most its weight's
+    tensors (the shards of a merged one) are stored at."""
+    for match in match_tensors(model, tensors, ignore):
+        produce, target, part, linear = match.produce, match.target, match.part, match.linear
         if linear is not None and isinstance(produce, TensorSource) and produce.stored_bits is not None:
             linear.stored_bits = max(produce.stored_bits, linear.stored_bits or 0)
         read_rows = produce.read_rows if isinstance(produce, TensorSource) else None
-        if read_rows is None or target.dim() < 2 or target.numel() <= PIECE_VALUES:
-            _copy(hf_name, produce(), target)
+        by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
+        if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
+            _copy(match.hf_name, match.read(), target)
             yield
             continue
+        first_row = 0 if part is None else part.start
         num_rows = target.shape[0]
         rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
         for start in range(0, num_rows, rows_per_piece):
             stop = min(start + rows_per_piece, num_rows)
-            _copy(hf_name, read_rows(start, stop), target[start:stop])
+            _copy(match.hf_name, read_rows(first_row + start, first_row + stop), target[start:stop])
             yield
 
 
 def _copy(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
-    _check_shape(hf_name, tuple(tensor.shape), target)  # the file's data, whatever its header said
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     target.copy_(tensor)

@@ -18,6 +18,7 @@ from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.norm import LayerNorm
+from tinyserve.parallel.shard import ModelShard
 
 
 class GPT2Attention(DirectCall, nn.Module):
@@ -77,9 +78,13 @@ class GPT2LMHeadModel(DirectCall, nn.Module):
     # The original GPT-2 checkpoints were saved from the bare GPT2Model: their names lack this prefix.
     checkpoint_prefix = "transformer"
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
         super().__init__()
+        if shard is not None and not shard.is_whole:
+            raise ValueError("GPT-2 runs in one process: tensor and pipeline parallel take the llama, qwen2, "
+                             "qwen3 and gemma3 families")
         self.config = config
+        self.shard = ModelShard.whole(config.num_hidden_layers)
         self.transformer = GPT2Model(config)
         self.lm_head = (TiedLMHead(self.transformer.wte) if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, bias=False, is_lm_head=True))

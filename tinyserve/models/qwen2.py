@@ -9,9 +9,10 @@ from dataclasses import replace
 
 from tinyserve.config import ModelConfig
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.parallel.shard import ModelShard
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
         # Qwen2 checkpoints always carry q/k/v biases, whatever the config file says (it has no such key).
-        super().__init__(replace(config, attention_bias=True))
+        super().__init__(replace(config, attention_bias=True), shard)

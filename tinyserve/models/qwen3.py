@@ -9,8 +9,9 @@ from dataclasses import replace
 
 from tinyserve.config import ModelConfig
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.parallel.shard import ModelShard
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(replace(config, qk_norm=True))
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
+        super().__init__(replace(config, qk_norm=True), shard)

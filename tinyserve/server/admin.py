@@ -47,6 +47,11 @@ async def unload(request: Request) -> dict:
 @router.post("/swap")
 async def swap(request: Request) -> dict:
     state, slot, body = await _target(request, ModelSwapRequest)
+    if state.engine_config.parallel.world_size > 1:
+        # the new model would need a second group of ranks beside the serving one, and a process belongs
+        # to one torch.distributed group
+        raise BadRequest("hot swap is not available with tensor or pipeline parallel: restart the server on "
+                         "the new model", param="path", code="unsupported_with_parallel")
     try:
         resolve_model_path(body.path)
     except ModelLoadError as exc:

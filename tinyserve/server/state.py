@@ -27,11 +27,14 @@ from tinyserve.server.model_slot import LoadedModel, ModelSlot, drain
 
 logger = logging.getLogger(__name__)
 Phase = Literal["loading", "ready", "draining", "stopped", "failed"]
+RANK_LOSS_EXIT_S = 3.0  # /health says 503 this long before a server that lost a rank exits
 
 
 class ServerState:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig,
                  engine_factory: Callable[[EngineConfig], object] | None = None):
+        if engine_config.parallel.world_size > 1 and (config.models or config.models_dir):
+            raise ValueError("tensor and pipeline parallel serve one model: without --models-dir, one --model")
         self.engine_config = engine_config
         self.config = config
         self.registry = ModelRegistry(engine_config, config, engine_factory)
@@ -40,6 +43,7 @@ class ServerState:
         self.load_error: BaseException | None = None  # the first start-up model's, when every one failed
         self.on_fatal: Callable[[], None] | None = None  # set by the launcher: exit when loading fails
         self._load_task: asyncio.Task | None = None
+        self._rank_watch: asyncio.Task | None = None  # tensor / pipeline parallel: exit once a rank is lost
         self._is_hurried = False  # a second signal: abort in-flight requests now instead of waiting
         self._is_closed = False
 
@@ -83,6 +87,22 @@ class ServerState:
             for slot in self.registry.startup:
                 if slot.current is not None:
                     logger.info("ready: serving %s (context %d tokens)", slot.name, slot.current.max_model_len)
+            if self.engine_config.parallel.world_size > 1 and self.engine is not None:
+                self._rank_watch = asyncio.create_task(self._exit_when_engine_dies(self.engine))
+
+    async def _exit_when_engine_dies(self, engine: AsyncEngine) -> None:
+        """Tensor / pipeline parallel: an engine that died (a rank lost) cannot be rebuilt under a running
+        server (its group is gone), so the server exits with status 1 for its supervisor to restart, after
+        /health has said 503 for RANK_LOSS_EXIT_S (its streams have already ended with an error)."""
+        while engine.is_alive:
+            await asyncio.sleep(0.25)
+        if self.phase != "ready":  # a shutdown stopped it
+            return
+        logger.error("the engine died (%s): exiting in %.0fs", engine.error, RANK_LOSS_EXIT_S)
+        self.phase = "failed"
+        await asyncio.sleep(RANK_LOSS_EXIT_S)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     async def wait_ready(self) -> None:
         if self._load_task is not None:
