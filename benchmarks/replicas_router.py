@@ -2,7 +2,7 @@
 policy against round-robin, side by side in one run, with one replica alone and one server on the whole
 machine as references.
 
-Starts two replicas (`tinyserve serve --threads 1 --allow-unknown-fields`, so the two share the cores), then
+Starts two replicas (`tinyserve serve --threads 1`, so the two share the cores), then
 vllm-router with `--policy cache_aware` and with `--policy round_robin` in front of the same two (and
 sglang-router's cache_aware, where it is installed), and runs `tinyserve bench serve` on workload D
 (benchmarks/README.md: 16 concurrent, 8 prefixes of 512 tokens, 4 prompts each + 32, 64 out, 32 prompts)
@@ -148,7 +148,7 @@ def main() -> None:
     rows: list[dict] = []
     with ExitStack() as stack:
         for port in REPLICA_PORTS:
-            stack.enter_context(_serve(port, tmp / f"replica-{port}.log", "--threads", "1", "--allow-unknown-fields"))
+            stack.enter_context(_serve(port, tmp / f"replica-{port}.log", "--threads", "1"))
         targets = [("one replica direct (1 thread)", replicas[0], replicas[:1])]
         for label, binary, policy, port in ROUTERS:
             path = shutil.which(binary, path=str(BIN)) or shutil.which(binary)
@@ -162,7 +162,7 @@ def main() -> None:
             for i, (label, url, read) in enumerate(order):
                 rows.append(_measure(label, url, read, 1000 + 100 * run + i, tmp))
     single = f"http://127.0.0.1:{SINGLE_PORT}"
-    with _serve(SINGLE_PORT, tmp / "single.log", "--allow-unknown-fields"):
+    with _serve(SINGLE_PORT, tmp / "single.log"):
         for run in range(args.runs):
             rows.append(_measure("one server, all cores (direct)", single, [single], 5000 + run, tmp))
     summary = _summary(rows)

@@ -70,9 +70,10 @@ class Replicas:
 @pytest.fixture(scope="module")
 def replicas(smollm2_loaded, tmp_path_factory):
     router = _router_binary()
-    # --allow-unknown-fields: the router re-serializes each request with SGLang's extras (no_stop_trim,
-    # return_hidden_states, ...), which tinyserve otherwise refuses by name (docs/REPLICAS.md)
-    servers = [start_default_model_server(smollm2_loaded, allow_unknown_fields=True) for _ in range(2)]
+    # strict about fields, as served by default: the router re-serializes each request with SGLang's extras
+    # (no_stop_trim, return_hidden_states, ...), which tinyserve accepts at the values it sends
+    # (server/router_fields.py, docs/REPLICAS.md)
+    servers = [start_default_model_server(smollm2_loaded) for _ in range(2)]
     port, log = _free_port(), tmp_path_factory.mktemp("router") / "router.log"
     proc = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                              "--worker-urls", *(s.base_url for s in servers), "--prometheus-port", str(_free_port()),
