@@ -1,6 +1,7 @@
 """Tensor and pipeline parallel against one process, offline, on this machine: the same batch of prompts
-through tinyserve.LLM with TP=1, TP=2, PP=2 (one micro-batch per stage, the default) and PP=2 with the
-whole step as one micro-batch (no overlap between stages), side by side in one run, medians of --rounds.
+through tinyserve.LLM with one process, TP=3 (SmolLM2's 9 query / 3 KV heads take 3, not 2), PP=2 (one
+micro-batch per stage, the default) and PP=2 with the whole step as one micro-batch (no overlap between
+stages), side by side in one run, medians of --rounds.
 
 Each pipelined run's ranks log how much of their forwards they spent computing ("computed X s of Y s"):
 the rest is the pipeline bubble (docs/PERFORMANCE.md, "Tensor and pipeline parallel").
@@ -17,7 +18,7 @@ from tinyserve import LLM, SamplingParams
 
 CASES = {  # name -> (LLM keywords, micro-batches per step on rank 0; None: the runner's own, one per stage)
     "one process": ({}, None),
-    "TP=2": ({"tensor_parallel_size": 2}, None),
+    "TP=3": ({"tensor_parallel_size": 3}, None),
     "PP=2, 2 micro-batches": ({"pipeline_parallel_size": 2}, None),
     "PP=2, 1 micro-batch": ({"pipeline_parallel_size": 2}, 1),
 }

@@ -83,6 +83,7 @@ def choose_shard(ranks: Ranks, config: ModelConfig, dtype: torch.dtype, device: 
     sharing = [sum(1 for other, _ in reports if other == host) for host, _ in reports]
     budgets = [free // n for (_, free), n in zip(reports, sharing)]
     if device.type == "cpu":
+        ranks.threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // sharing[topology.rank])))
     stage_budgets = [topology.tp_size * min(budgets[topology.rank_at(s, t)] for t in range(topology.tp_size))
                      for s in range(topology.pp_size)]

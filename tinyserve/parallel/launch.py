@@ -40,12 +40,18 @@ class Ranks:
     host: HostGroup
     channel: StageChannel
     started: list[subprocess.Popen] = field(default_factory=list)  # ranks this process started (rank 0 only)
+    # CPU: torch's compute threads before this rank took its share of the host's cores, given back on close
+    # (rank 0 runs in the caller's process, which may go on to run an engine of its own)
+    threads_before: int | None = None
 
     def close(self, wait_s: float = 10.0) -> None:
         """Leave the group, which closes this rank's connections (a rank still waiting on one then fails
         and exits), then wait for the ranks this process started, killing any still there after wait_s."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
         for proc in self.started:
             try:
                 proc.wait(timeout=wait_s)
