@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve generate test test-reliability test-all bench
+.PHONY: setup serve generate test test-reliability test-all bench gpu-check-prepare gpu-check
 
 setup: $(VENV)/.installed
 
@@ -44,3 +44,11 @@ test-all: setup
 BASE ?= HEAD
 bench: setup
 	benchmarks/ab_baseline.sh $(BASE)
+
+# The CUDA check (docs/GPU.md): prepare here (the wheels the GPU image lacks, SmolLM2's tokenizer), then run
+# `make gpu-check` on the GPU machine with .whl and .gpu-check carried; it writes its JSON and log to $OUT.
+gpu-check-prepare: setup
+	benchmarks/gpu_check_prepare.sh
+
+gpu-check:
+	benchmarks/gpu_check.sh

@@ -349,6 +349,8 @@ class EngineConfig:
     # checkpoints without one, such as a base model's GGUF. None: the checkpoint's, if it has one.
     chat_template: str | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # CUDA: decode steps run eagerly instead of replaying CUDA graphs (vLLM's --enforce-eager)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -66,7 +66,8 @@ class LLM:
                  override_generation_config: dict | None = None,
                  speculative: SpeculativeConfig | None = None,
                  tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
-                 pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size):
+                 pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
+                 enforce_eager: bool = EngineConfig.enforce_eager):
         """With tensor / pipeline parallel the other ranks run as subprocesses on this machine until
         `close()` (or this process's end)."""
         config = EngineConfig(
@@ -77,7 +78,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
             speculative=speculative or SpeculativeConfig(),
-            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size), enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

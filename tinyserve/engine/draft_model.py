@@ -30,7 +30,8 @@ from tinyserve.engine.speculative import proposal_sizes
 from tinyserve.engine.stats import SpecDecodeStats
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import allocate_kv_cache
-from tinyserve.layers.ops import decode_kernel_applies
+from tinyserve.layers.host_to_device import int64_tensor
+from tinyserve.layers.ops import decode_kernel_applies, paged_kernel_applies
 from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
 from tinyserve.types import Job
 from tinyserve.models.registry import device_and_dtype
@@ -98,6 +99,7 @@ class DraftModelProposer:
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
         self.sliding_windows = frozenset(model.config.layer_sliding_windows())  # one decode plan per window
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
+        self.paged_kernel = paged_kernel_applies(self.device)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._sequences: dict[Request, _DraftSequence] = {}
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
@@ -164,10 +166,10 @@ class DraftModelProposer:
                                        num_blocks=self.num_blocks, num_heads=self.model.config.num_attention_heads,
                                        num_kv_heads=self.model.config.num_key_value_heads, device=self.device,
                                        decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
+                                       paged_kernel=self.paged_kernel,
                                        group_windows=[self.sliding_windows])
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                            torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+        hidden = self.model(int64_tensor(input_ids, self.device), int64_tensor(positions, self.device), meta)
+        rows = int64_tensor(last_rows, self.device)
         next_ids = self.model.compute_logits(hidden[rows])[:, : self.vocab_size].argmax(dim=-1).tolist()
         out = [0] * len(feeds)
         for row, i in enumerate(order):

@@ -28,6 +28,7 @@ from dataclasses import replace
 from tinyserve.config import EngineConfig
 from tinyserve.engine import rank_setup
 from tinyserve.engine.block_manager import BlockManager
+from tinyserve.engine.cuda_graphs import decode_graphs_apply
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
 from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model_in_pieces
@@ -123,13 +124,19 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                                     loaded.config.eos_token_ids)
         kv_slots = {}
-        for slot, pool in rank_setup.rank_kv_slots(loaded, layout, cache_config.num_blocks, cache_config.block_size,
+        # CUDA graphs' padding rows write to a scratch block past the BlockManager's (engine/cuda_graphs.py)
+        graphs = decode_graphs_apply(device, config.enforce_eager, ranks is not None)
+        pool_blocks = cache_config.num_blocks + (1 if graphs else 0)
+        for slot, pool in rank_setup.rank_kv_slots(loaded, layout, pool_blocks, cache_config.block_size,
                                                    dtype, device):
             kv_slots[slot] = pool
             yield
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,
                                   fill_bitmask=self.structured_outputs.fill_bitmask,
                                   kv_cache=layer_caches(layout, kv_slots), layout=layout, ranks=ranks)
+        if graphs:
+            self.runner.stage.capture_decode_graphs(scheduler_config.max_num_seqs, max_model_len,
+                                                    capture=device.type == "cuda")
         self.outputs = OutputProcessor(self.tokenizer)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative.method == "ngram":

@@ -126,11 +126,12 @@ def _never_a_cut_token(cdf: torch.Tensor, ids: torch.Tensor, logits: torch.Tenso
     """A drawn token must have probability > 0: its CDF step is positive. torch's CPU cumsum runs along
     the row in order, accumulating in double, so the CDF never falls and this always holds there; a
     parallel scan (CUDA) can dip by a rounding step where a cut token sits, and such a row takes its
-    argmax instead (never a cut token). Two gathers per row, and a sync the step pays anyway."""
+    argmax instead (never a cut token). Two gathers per row; on the host the common case skips the
+    argmax, on a device the choice stays there (no sync before the step's one copy of the ids)."""
     step_end = cdf.gather(1, ids)
     step_start = torch.where(ids > 0, cdf.gather(1, (ids - 1).clamp_(min=0)), 0.0)
     has_mass = step_end > step_start  # [batch, 1]
-    if bool(has_mass.all()):
+    if has_mass.device.type == "cpu" and bool(has_mass.all()):
         return ids
     return torch.where(has_mass, ids, logits.argmax(dim=-1, keepdim=True))
 

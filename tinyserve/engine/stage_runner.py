@@ -17,10 +17,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tinyserve.engine.cuda_graphs import DecodeGraphs
 from tinyserve.engine.step_plan import MicroBatchPlan, StepPlan
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import KVCache, KVLayout
-from tinyserve.layers.ops import decode_kernel_applies
+from tinyserve.layers.host_to_device import int64_tensor
+from tinyserve.layers.ops import decode_kernel_applies, paged_kernel_applies
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.parallel.launch import Ranks
 from tinyserve.parallel.shard import kv_head_slice
@@ -44,6 +46,8 @@ class StageRunner:
         # The decode plan's kernel-or-torch choice, made once; the kernels build (or load) here, at
         # start-up, not in the first timed step.
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, config.head_dim)
+        self.paged_kernel = paged_kernel_applies(self.device)
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA: decode steps replay these (capture_decode_graphs)
         # pipeline parallel: seconds computing, and seconds in forwards (the rest waits on other stages)
         self.busy_s = self.forward_s = 0.0
 
@@ -53,17 +57,27 @@ class StageRunner:
                                        block_size=self.block_size, num_blocks=self.num_blocks,
                                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=self.device,
                                        decode_kernel=self.decode_kernel, kv_caches=self.kv_caches,
-                                       layer_groups=self.layout.layer_groups, group_windows=self.group_windows)
-        return (torch.tensor(mb.input_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(mb.positions, dtype=torch.int64, device=self.device), meta)
+                                       paged_kernel=self.paged_kernel, layer_groups=self.layout.layer_groups,
+                                       group_windows=self.group_windows)
+        return int64_tensor(mb.input_ids, self.device), int64_tensor(mb.positions, self.device), meta
 
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """[num_tokens, hidden] final hidden states of the step's tokens, in plan order, on stage 0; None on
         the other stages."""
         if self.ranks is None or self.ranks.topology.pp_size == 1:
+            if self.decode_graphs is not None and len(plan.micro_batches) == 1:
+                if self.decode_graphs.applies(plan.micro_batches[0]):
+                    return self.decode_graphs.run(plan.micro_batches[0])
             hidden = [self.model(*self.inputs(mb)) for mb in plan.micro_batches]
             return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         return self._pipeline(plan.micro_batches)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Decode steps from now on replay CUDA graphs (engine/cuda_graphs.py); the pools hold the scratch
+        block past num_blocks. capture=False: the same buffers, run eagerly (tests on CPU)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.layout, self.group_windows,
+                                          self.num_blocks, self.block_size, max_num_seqs, max_model_len, self.device)
+        self.decode_graphs.capture(capture)
 
     def _pipeline(self, micro_batches: list[MicroBatchPlan]) -> torch.Tensor | None:
         topology, channel, model = self.ranks.topology, self.ranks.channel, self.model
@@ -102,4 +116,4 @@ class StageRunner:
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """[len(rows), vocab] float32 logits of hidden's rows (on tensor rank 0; None on the others)."""
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)])
+        return self.model.compute_logits(hidden[int64_tensor(rows, hidden.device)])

@@ -2,7 +2,8 @@
 sequence owns a block table.
 
 Tokens of many sequences arrive flattened in one step (no padding between sequences), decodes first (one
-query token each, longest context first), then prefill chunks (many query tokens each). Decodes are
+query token each, longest context first), then prefill chunks (many query tokens each). On CUDA the whole
+step is one call of our Triton kernel per layer (layers/triton_attention.py). Elsewhere decodes are
 attended as the step's plan says (layers/attention_metadata.py): in one call of our C++ kernel, or in a
 few batched torch calls over groups of similar length; prefill chunks one sequence at a time through
 SDPA, each with its causal mask offset by the tokens already in the cache.
@@ -78,6 +79,9 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, ta
     the cache; new_k/new_v ([num_tokens, kv_heads, head_dim]) spare a gather for a prefill with no
     cached prefix. tables: the layer's KV group's; window: the layer's sliding window, None for full
     attention."""
+    if meta.paged_kernel:
+        return ops.paged_attention_kernel(q, cache, tables.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          meta.max_query_len, scale, window)
     nd = meta.num_decodes
     decoded = None
     if meta.decode_kernel and nd:

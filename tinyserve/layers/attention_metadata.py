@@ -2,7 +2,9 @@
 by every layer: where the new tokens' K/V go, what each sequence attends to, and how its decodes are
 attended (the decode plan), for each KV group (layers/kv_cache.py, KVLayout). No layer changes it.
 
-The decode plan: with our C++ kernel (`decode_kernel`, where ops.decode_kernel_applies), one call per
+The decode plan: with our Triton kernel (`paged_kernel`, on CUDA: ops.paged_kernel_applies), one call per
+layer for the whole step, decodes and prefill chunks, reading the blocks in place (`query_start_loc`,
+`max_query_len`); with our C++ kernel (`decode_kernel`, where ops.decode_kernel_applies), one call per
 layer for all decodes; otherwise decodes are attended in a few batched torch calls over groups of
 similar length (`decode_groups`), whose gather rows, masks and value bags are computed here, once per
 step, not once per layer: one set per sliding window the model's layers use (None for full attention),
@@ -11,11 +13,13 @@ each gathering only the blocks inside its window.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tinyserve.layers.host_to_device import int64_tensor, to_device
 from tinyserve.layers.kv_cache import KVCache
 
 
@@ -65,6 +69,11 @@ class AttentionMetadata:
     # travel with the step, not in the model's modules: a loaded model holds no engine state, so engines
     # (and their threads) may share it.
     kv_caches: tuple[KVCache, ...]
+    # every sequence's attention in our Triton kernel (ops.paged_attention_kernel), which needs where each
+    # sequence's query rows start ([num_seqs + 1] on device, the total last) and the longest query
+    paged_kernel: bool = False
+    query_start_loc: torch.Tensor | None = None
+    max_query_len: int = 0
 
     def layer_tables(self, layer_index: int) -> GroupTables:
         return self.groups[self.layer_groups[layer_index]]
@@ -72,35 +81,37 @@ class AttentionMetadata:
     @classmethod
     def build(cls, slot_mappings: Sequence[list[int]], block_tables: Sequence[list[list[int]]], seq_lens: list[int],
               query_lens: list[int], *, block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int,
-              device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache],
+              device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache], paged_kernel: bool = False,
               layer_groups: Sequence[int] | None = None,
               group_windows: Sequence[Collection[int | None]] = ((None,),)) -> AttentionMetadata:
         """From host lists, one slot mapping and one list of tables per KV group, sequences ordered decodes
         first. One host-to-device copy per tensor. layer_groups: each layer's group (None: all in group 0);
         group_windows: the windows each group's layers use (KVLayout.group_layer_windows)."""
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        bounds = [] if decode_kernel else decode_group_bounds(seq_lens[:num_decodes])
+        bounds = [] if decode_kernel or paged_kernel else decode_group_bounds(seq_lens[:num_decodes])
         groups = []
         for slot_mapping, tables_host, windows in zip(slot_mappings, block_tables, group_windows, strict=True):
             (window,) = windows if len(windows) == 1 else (None,)
-            tables = _tables_tensor(tables_host, seq_lens, query_lens, block_size, window)
+            tables = padded_tables(tables_host, seq_lens, query_lens, block_size, window)
             slots = torch.tensor(slot_mapping, dtype=torch.int64)
             check_tables(slots, tables, [len(t) for t in tables_host], seq_lens, query_lens, block_size, num_blocks)
-            tables = tables.to(device)
+            tables = to_device(tables, device)
             plans = {window: tuple(_decode_group(start, end, tables, seq_lens, num_heads, num_kv_heads, num_blocks,
                                                  block_size, window) for start, end in bounds)
                      for window in set(windows)}
-            groups.append(GroupTables(slots.to(device), tables, plans))
+            groups.append(GroupTables(to_device(slots, device), tables, plans))
         return cls(
             groups=tuple(groups),
             layer_groups=tuple(layer_groups) if layer_groups is not None else (0,) * len(kv_caches),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens=int64_tensor(seq_lens, device),
             seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
-            decode_kernel=decode_kernel, kv_caches=tuple(kv_caches),
+            decode_kernel=decode_kernel, kv_caches=tuple(kv_caches), paged_kernel=paged_kernel,
+            query_start_loc=int64_tensor([0, *itertools.accumulate(query_lens)], device) if paged_kernel else None,
+            max_query_len=max(query_lens),
         )
 
 
-def _tables_tensor(tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int,
+def padded_tables(tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int,
                    window: int | None) -> torch.Tensor:
     """The padded [num_seqs, max_blocks] int64 tables of one group. With a window, only the entries from
     each sequence's first query's window on are copied (the rest, never read, are 0): a long sequence's

@@ -40,6 +40,27 @@ def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: in
             and cpu_kernels.load() is not None)
 
 
+def paged_kernel_applies(device: torch.device) -> bool:
+    """Whether attention runs in our Triton kernel (layers/triton_attention.py) for every step shape: on CUDA
+    with Triton installed. Asked once, by the model runner; the module is imported only then, so that a
+    test can set TRITON_INTERPRET before its first import."""
+    if device.type != "cuda":
+        return False
+    from tinyserve.layers import triton_attention
+
+    return triton_attention.triton_available(device)
+
+
+def paged_attention_kernel(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                           window: int | None) -> torch.Tensor:
+    """Attention of every sequence of the step over the pool, in place (where paged_kernel_applies)."""
+    from tinyserve.layers.triton_attention import paged_attention_triton
+
+    return paged_attention_triton(q, cache.key, cache.value, block_tables, seq_lens, query_start_loc, max_query_len,
+                                  scale, window)
+
+
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The torch formula (Hugging Face's): the path off the kernels, and their yardstick."""
     x32 = x.float()
