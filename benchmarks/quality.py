@@ -29,7 +29,10 @@ from tinyserve.loader.model_loader import load_model
 from tinyserve.models.registry import device_and_dtype
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"
-MODES = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")]
+# (name, dtype, weight quantization, KV pool dtype)
+MODES = [("float32", "float32", None, None), ("bfloat16", "bfloat16", None, None),
+         ("int8", "bfloat16", "int8", None), ("int4", "bfloat16", "int4", None),
+         ("int8-kv", "bfloat16", None, torch.int8)]  # --kv-cache-dtype int8 beside bfloat16 weights
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give three tips for learning a new language.", "What is 17 times 23?",
@@ -41,8 +44,8 @@ PROMPTS = [
 ]
 
 
-def perplexity(model, ids: list[int], decode_kernel: bool) -> float:
-    logits = forward_sequence(model, ids, step_tokens=1, decode_kernel=decode_kernel)
+def perplexity(model, ids: list[int], decode_kernel: bool, kv_dtype: torch.dtype | None) -> float:
+    logits = forward_sequence(model, ids, step_tokens=1, decode_kernel=decode_kernel, kv_dtype=kv_dtype)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item())
 
@@ -52,16 +55,16 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--result-file", type=Path, default=None)
-    parser.add_argument("--modes", default="float32,bfloat16,int8,int4",
+    parser.add_argument("--modes", default="float32,bfloat16,int8,int4,int8-kv",
                         help="which rows, comma-separated (float32, the reference, always runs first)")
     args = parser.parse_args()
     wanted = {"float32", *args.modes.split(",")}
-    if unknown := wanted - {quantization or dtype for dtype, quantization in MODES}:
+    if unknown := wanted - {mode[0] for mode in MODES}:
         parser.error(f"unknown modes {sorted(unknown)}")
     records, reference = [], None
     print("| mode | identical prompts | same tokens before divergence | perplexity | vs float32 |")
     print("|---|---:|---:|---:|---:|")
-    for dtype, quantization in [mode for mode in MODES if (mode[1] or mode[0]) in wanted]:
+    for name, dtype, quantization, kv_dtype in [mode for mode in MODES if mode[0] in wanted]:
         start = time.perf_counter()
         loaded = load_model(args.model, dtype, "cpu", quantization)
         tokenizer = loaded.tokenizer
@@ -72,21 +75,22 @@ def main() -> None:
         # reference keeps the plain torch ops.
         device, model_dtype = device_and_dtype(loaded.model)
         kernel = dtype != "float32" and decode_kernel_applies(device, model_dtype, loaded.config.head_dim)
-        outputs = [greedy_generate(loaded.model, ids, args.max_tokens, decode_kernel=kernel) for ids in prompts]
-        ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()), kernel)
+        outputs = [greedy_generate(loaded.model, ids, args.max_tokens, decode_kernel=kernel, kv_dtype=kv_dtype)
+                   for ids in prompts]
+        ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()), kernel, kv_dtype)
         if reference is None:
             reference = {"outputs": outputs, "perplexity": ppl}
         prefixes = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref))
                     for ref, out in zip(reference["outputs"], outputs)]
         record = {
-            "dtype": dtype, "quantization": quantization,
+            "mode": name, "dtype": dtype, "quantization": quantization,
+            "kv_cache_dtype": "int8" if kv_dtype == torch.int8 else "auto",
             "identical_prompts": sum(p == args.max_tokens for p in prefixes), "num_prompts": len(PROMPTS),
             "same_tokens": sum(prefixes) / (len(PROMPTS) * args.max_tokens),
             "perplexity": round(ppl, 3), "perplexity_ratio": round(ppl / reference["perplexity"], 4),
             "seconds": round(time.perf_counter() - start, 1),
         }
         records.append(record)
-        name = quantization or dtype
         print(f"| {name} | {record['identical_prompts']}/{len(PROMPTS)} | {record['same_tokens']:.1%} | "
               f"{ppl:.3f} | {record['perplexity_ratio']:.3f}x |", flush=True)
         del loaded

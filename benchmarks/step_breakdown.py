@@ -6,6 +6,7 @@ of 10 steps is the step time, and `torch.profiler` over 5 more steps splits the 
 
     .venv/bin/python benchmarks/step_breakdown.py --batch-sizes 1,16,64 --prompt-len 256 --dtype bfloat16
     .venv/bin/python benchmarks/step_breakdown.py --batch-sizes 1,4 --quantization int4
+    .venv/bin/python benchmarks/step_breakdown.py --batch-sizes 16,64 --kv-cache-dtype int8
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 
 from torch.profiler import profile
 
-from tinyserve.config import EngineConfig, SchedulerConfig
+from tinyserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
@@ -29,8 +30,9 @@ ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::ind
 
 
 def decode_breakdown(batch: int, prompt_len: int, dtype: str, model: str,
-                     quantization: str | None = None) -> dict[str, float]:
+                     quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict[str, float]:
     config = EngineConfig(model=model, dtype=dtype, quantization=quantization,
+                          cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=512))
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -65,11 +67,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     args = parser.parse_args()
     print("| batch | step ms | tok/s | linear ms | attention ms | other ops ms | outside ops ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch in map(int, args.batch_sizes.split(",")):
-        r = decode_breakdown(batch, args.prompt_len, args.dtype, args.model, args.quantization)
+        r = decode_breakdown(batch, args.prompt_len, args.dtype, args.model, args.quantization,
+                             args.kv_cache_dtype)
         print(f"| {batch} | {r['step_ms']:.1f} | {batch / r['step_ms'] * 1e3:.0f} | {r['linear']:.1f} | "
               f"{r['attention']:.1f} | {r['other ops']:.1f} | {r['outside ops']:.1f} |", flush=True)
 

@@ -125,6 +125,7 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
         seed=args.seed, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return bench_offline(config, args.result_file)
 

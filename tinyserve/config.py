@@ -185,9 +185,8 @@ class ModelConfig:
             raise ValueError(f"max_position_embeddings ({self.max_position_embeddings}) x head_dim "
                              f"({self.head_dim}) must be <= {self.MAX_ROTARY_TABLE} (the rotary tables)")
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -200,6 +199,9 @@ class CacheConfig:
     cpu_kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # derived at start-up from the budget; set directly only in tests
+    # "auto": the model's dtype; "int8": codes with a float16 scale per token and head (layers/kv_cache.py),
+    # ~1.9x the tokens in the same bytes
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -212,6 +214,8 @@ class CacheConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -67,14 +67,16 @@ class LLM:
                  speculative: SpeculativeConfig | None = None,
                  tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
                  pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
-                 enforce_eager: bool = EngineConfig.enforce_eager):
+                 enforce_eager: bool = EngineConfig.enforce_eager,
+                 kv_cache_dtype: str = CacheConfig.kv_cache_dtype):
         """With tensor / pipeline parallel the other ranks run as subprocesses on this machine until
         `close()` (or this process's end)."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, quantization=quantization, seed=seed,
             generation_config=generation_config, override_generation_config=override_generation_config or {},
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks),
+                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
             speculative=speculative or SpeculativeConfig(),

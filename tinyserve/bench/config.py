@@ -169,6 +169,7 @@ class OfflineBenchConfig:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     kv_cache_memory_gib: float | None = CacheConfig.kv_cache_memory_gib
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     num_warmup_tokens: int = 8  # one short generate before the clock starts (0: none)
 
     def __post_init__(self) -> None:

@@ -48,7 +48,8 @@ def run_offline(config: OfflineBenchConfig) -> dict:
     llm = LLM(config.model, config.dtype, config.device, quantization=config.quantization,
               max_num_seqs=config.max_num_seqs,
               max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_memory_gib,
-              enable_prefix_caching=config.enable_prefix_caching, seed=config.seed)
+              enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+              kv_cache_dtype=config.kv_cache_dtype)
     if config.num_warmup_tokens:
         llm.generate([list(range(1, 17))], SamplingParams(temperature=0.0, max_tokens=config.num_warmup_tokens))
     workload = offline_workload(config)

@@ -32,7 +32,7 @@ from tinyserve.engine.cuda_graphs import decode_graphs_apply
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
 from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model_in_pieces
-from tinyserve.engine.memory import kv_bytes_per_token, resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.memory import kv_bytes_per_token, kv_pool_dtype, resolve_cache_config, resolve_max_model_len
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.recent_activity import RecentActivity, StepRecord
@@ -106,16 +106,17 @@ class LLMEngine:
         draft_bytes = kv_bytes_per_token(draft.config, device_and_dtype(draft.model)[1]) if draft else 0
         layout = KVLayout.for_windows(loaded.config.layer_sliding_windows())
         cache = config.cache
+        kv_dtype = kv_pool_dtype(cache, dtype)
         if ranks is not None:  # the blocks every rank's budget holds
-            layout, num_blocks = rank_setup.agree_num_blocks(config, ranks, loaded, dtype)
+            layout, num_blocks = rank_setup.agree_num_blocks(config, ranks, loaded, kv_dtype)
             cache = replace(cache, num_blocks=num_blocks)
-        cache_config = resolve_cache_config(cache, loaded.config, dtype, device, max_model_len,
+        cache_config = resolve_cache_config(cache, loaded.config, kv_dtype, device, max_model_len,
                                             scheduler_config.max_num_batched_tokens, layout, draft_bytes)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            hash_seed=f"{loaded.source}:{dtype}:{config.quantization}",  # cached KV is per weights
+            hash_seed=f"{loaded.source}:{dtype}:{config.quantization}:{kv_dtype}",  # cached KV is per weights
             group_windows=layout.group_windows,
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
@@ -128,7 +129,7 @@ class LLMEngine:
         graphs = decode_graphs_apply(device, config.enforce_eager, ranks is not None)
         pool_blocks = cache_config.num_blocks + (1 if graphs else 0)
         for slot, pool in rank_setup.rank_kv_slots(loaded, layout, pool_blocks, cache_config.block_size,
-                                                   dtype, device):
+                                                   kv_dtype, device):
             kv_slots[slot] = pool
             yield
         self.runner = ModelRunner(loaded.model, cache_config.num_blocks, cache_config.block_size, config.seed,

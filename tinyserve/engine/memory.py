@@ -11,7 +11,7 @@ import torch
 
 from tinyserve.config import CacheConfig, ModelConfig
 from tinyserve.engine.block_manager import blocks_held
-from tinyserve.layers.kv_cache import KVLayout
+from tinyserve.layers.kv_cache import KVLayout, kv_row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +28,14 @@ def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
     return requested
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """2 x layers x kv_heads x head_dim x dtype size."""
-    return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """2 x layers x kv_heads x one row's bytes (head_dim x dtype size, and an int8 pool's scale)."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * kv_row_bytes(config.head_dim, kv_dtype)
+
+
+def kv_pool_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: the model's, or int8 (`--kv-cache-dtype int8`)."""
+    return torch.int8 if cache.kv_cache_dtype == "int8" else model_dtype
 
 
 def block_bytes_per_token(config: ModelConfig, dtype: torch.dtype, layout: KVLayout) -> int:
@@ -67,8 +72,7 @@ def rank_num_blocks(cache: CacheConfig, model: ModelConfig, layout: KVLayout, la
     parallel: every rank computes its own, and the group takes the least)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    dtype_size = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * num_kv_heads * model.head_dim * dtype_size * len(layout.slots_of(layers))
+    per_token = 2 * num_kv_heads * kv_row_bytes(model.head_dim, dtype) * len(layout.slots_of(layers))
     return kv_budget_bytes(cache, device) // (per_token * cache.block_size)
 
 
@@ -95,9 +99,9 @@ def host_free_bytes() -> int:
 def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
                          max_model_len: int, max_chunk: int, layout: KVLayout | None = None,
                          draft_bytes_per_token: int = 0) -> CacheConfig:
-    """Fill num_blocks from the budget (shared with a draft model's pool of as many blocks, whose K/V cost
-    draft_bytes_per_token); refuse a budget that cannot hold one max-length sequence prefilled in chunks of
-    up to max_chunk tokens. layout: the pool's (flat when None)."""
+    """Fill num_blocks from the budget, for a pool of `dtype` (the model's, or int8), shared with a draft model's
+    pool of as many blocks, whose K/V cost draft_bytes_per_token; refuse a budget that cannot hold one
+    max-length sequence prefilled in chunks of up to max_chunk tokens. layout: the pool's (flat when None)."""
     layout = layout or KVLayout.flat(model.num_hidden_layers)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -120,11 +124,11 @@ def resolve_cache_config(cache: CacheConfig, model: ModelConfig, dtype: torch.dt
     num_kept_all = num_blocks * layout.num_slots / model.num_hidden_layers / -(-max_model_len // bs)
     logger.info(
         "KV cache: %d blocks x %d tokens, each block holding %d of %d layers' K/V (%d block tables per sequence): "
-        "%.1f max-length sequences of %d tokens%s, at %d bytes per token%s",
+        "%.1f max-length sequences of %d tokens%s, at %d bytes per token (%s)%s",
         num_blocks, bs, layout.num_slots, model.num_hidden_layers, layout.num_groups, num_sequences, max_model_len,
         f" (sliding-window layers keep only their window: {num_sequences / num_kept_all:.1f}x the "
         f"{num_kept_all:.1f} they would hold keeping every block)" if windowed else "",
-        kv_bytes_per_token(model, dtype), f" + {draft_bytes_per_token} for the draft model's pool"
-        if draft_bytes_per_token else "",
+        kv_bytes_per_token(model, dtype), str(dtype).removeprefix("torch."),
+        f" + {draft_bytes_per_token} for the draft model's pool" if draft_bytes_per_token else "",
     )
     return replace(cache, num_blocks=num_blocks)

@@ -116,24 +116,24 @@ class RankPool:
 
 
 def agree_num_blocks(config: EngineConfig, ranks: Ranks, loaded: LoadedModel,
-                     dtype: torch.dtype) -> tuple[KVLayout, int]:
-    """The pool's layout and the blocks every rank's budget holds (the least of them)."""
+                     kv_dtype: torch.dtype) -> tuple[KVLayout, int]:
+    """The pool's layout and the blocks every rank's budget holds (the least of them), in a pool of kv_dtype."""
     layout = KVLayout.for_windows(loaded.config.layer_sliding_windows())
     shard = loaded.model.shard
     num_kv_heads, _ = kv_head_slice(loaded.config.num_key_value_heads, loaded.config.head_dim, shard.tp)
-    own = rank_num_blocks(config.cache, loaded.config, layout, shard.layers, num_kv_heads, dtype, ranks.device)
+    own = rank_num_blocks(config.cache, loaded.config, layout, shard.layers, num_kv_heads, kv_dtype, ranks.device)
     return layout, ranks.host.all_reduce_min(own)
 
 
-def rank_kv_slots(loaded: LoadedModel, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+def rank_kv_slots(loaded: LoadedModel, layout: KVLayout, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                   device: torch.device):
     """This rank's pool slots, one at a time (kv_cache_slots): its KV heads, its layers' slots."""
     shard = loaded.model.shard
     num_kv_heads, _ = kv_head_slice(loaded.config.num_key_value_heads, loaded.config.head_dim, shard.tp)
-    return kv_cache_slots(loaded.config, layout, num_blocks, block_size, dtype, device, num_kv_heads, shard.layers)
+    return kv_cache_slots(loaded.config, layout, num_blocks, block_size, kv_dtype, device, num_kv_heads, shard.layers)
 
 
-def allocate_pool(config: EngineConfig, ranks: Ranks, loaded: LoadedModel, dtype: torch.dtype) -> RankPool:
-    layout, num_blocks = agree_num_blocks(config, ranks, loaded, dtype)
-    slots = dict(rank_kv_slots(loaded, layout, num_blocks, config.cache.block_size, dtype, ranks.device))
+def allocate_pool(config: EngineConfig, ranks: Ranks, loaded: LoadedModel, kv_dtype: torch.dtype) -> RankPool:
+    layout, num_blocks = agree_num_blocks(config, ranks, loaded, kv_dtype)
+    slots = dict(rank_kv_slots(loaded, layout, num_blocks, config.cache.block_size, kv_dtype, ranks.device))
     return RankPool(layout, num_blocks, layer_caches(layout, slots))

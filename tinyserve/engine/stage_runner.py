@@ -47,6 +47,11 @@ class StageRunner:
         # start-up, not in the first timed step.
         self.decode_kernel = decode_kernel_applies(self.device, self.dtype, config.head_dim)
         self.paged_kernel = paged_kernel_applies(self.device)
+        if any(cache is not None and cache.quantized for cache in self.kv_caches) and not self.decode_kernel:
+            raise ValueError(
+                f"--kv-cache-dtype int8 needs our C++ decode kernel, which does not apply to this model here "
+                f"(device {self.device}, dtype {self.dtype}, head_dim {config.head_dim}; it runs on CPU in float32 "
+                f"or bfloat16, head_dim 16/32/64/128/256): use --kv-cache-dtype auto")
         self.decode_graphs: DecodeGraphs | None = None  # CUDA: decode steps replay these (capture_decode_graphs)
         # pipeline parallel: seconds computing, and seconds in forwards (the rest waits on other stages)
         self.busy_s = self.forward_s = 0.0

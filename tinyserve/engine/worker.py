@@ -15,6 +15,7 @@ import torch
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine import rank_setup, step_plan
+from tinyserve.engine.memory import kv_pool_dtype
 from tinyserve.engine.stage_runner import StageRunner
 from tinyserve.engine.step_plan import MessageKind
 from tinyserve.models.registry import device_and_dtype
@@ -31,8 +32,8 @@ def run_worker(config: EngineConfig) -> int:
     ranks = rank_setup.join(config)
     try:
         loaded = run_to_end(rank_setup.load_shard(config, ranks))
-        _, dtype = device_and_dtype(loaded.model)
-        pool = rank_setup.allocate_pool(config, ranks, loaded, dtype)
+        kv_dtype = kv_pool_dtype(config.cache, device_and_dtype(loaded.model)[1])
+        pool = rank_setup.allocate_pool(config, ranks, loaded, kv_dtype)
         stage = StageRunner(loaded.model, pool.kv_caches, pool.layout, pool.num_blocks, config.cache.block_size,
                             ranks)
         _serve_steps(stage, ranks)

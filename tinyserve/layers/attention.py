@@ -8,6 +8,9 @@ attended as the step's plan says (layers/attention_metadata.py): in one call of 
 few batched torch calls over groups of similar length; prefill chunks one sequence at a time through
 SDPA, each with its causal mask offset by the tokens already in the cache.
 
+An int8 pool (layers/kv_cache.py) is read by the C++ decode kernel, which folds each row's scale into its
+score and its weight, and by the prefill gather, which widens the rows it reads to the step's dtype.
+
 Sliding window (per layer, Mistral's and transformers' meaning): the query at position p attends to keys
 p - W + 1 .. p, W keys itself included; None is full attention. Every path reads only the blocks from
 the window's start on (the kernel and the decode groups from each sequence's own, a prefill chunk from
@@ -23,7 +26,7 @@ from torch import nn
 from tinyserve.layers import ops
 from tinyserve.layers.attention_metadata import AttentionMetadata, DecodeGroup, GroupTables
 from tinyserve.layers.direct_call import DirectCall
-from tinyserve.layers.kv_cache import KVCache, gather_kv, write_kv
+from tinyserve.layers.kv_cache import KVCache, gather_kv
 
 
 def first_key(position: int, window: int | None) -> int:
@@ -59,6 +62,8 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale:
     probabilities (embedding_bag over the plan's value bags: V is read once, never gathered into a copy).
     Sequences shorter than the group's longest are masked by the plan's bias.
     q [num_decodes, heads, head_dim] -> same shape."""
+    # an int8 pool's decodes are the C++ kernel's (the model runner refuses the pool where it does not apply)
+    assert not cache.quantized, "decode groups read a float pool"
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = cache.key.shape[0]
     group = num_heads // num_kv_heads
@@ -103,7 +108,7 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, ta
             k = new_k[start : start + q_len].transpose(0, 1)
             v = new_v[start : start + q_len].transpose(0, 1)
         else:
-            k, v = gather_kv(cache, tables.block_tables[i], seq_len, first)
+            k, v = gather_kv(cache, tables.block_tables[i], seq_len, first, q.dtype)
         # plain causal attention (SDPA's own mask) where no key is cached and none leaves the window
         is_causal = q_len == seq_len and (window is None or window >= seq_len)
         mask = None if is_causal else causal_mask(q_len, seq_len, q.device, window, first)
@@ -149,5 +154,5 @@ class Attention(DirectCall, nn.Module):
         """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]"""
         cache = meta.kv_caches[self.layer_index]
         tables = meta.layer_tables(self.layer_index)
-        write_kv(cache, k, v, tables.slot_mapping)
+        ops.write_kv(cache, k, v, tables.slot_mapping)
         return paged_attention(q, cache, meta, tables, self.scale, k, v, self.sliding_window)

@@ -8,7 +8,9 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
 - matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp,
   csrc/int8_channel_matmul.cpp):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
-  in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix.
+  in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix;
+- the 8-bit KV pool's writes (csrc/kv_int8.cpp): each token's head rounded with its scale, one call
+  instead of ~10 ops.
 
 They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES), by `make setup` (`python -m
 tinyserve.layers.cpu_kernels`), else by the first process that needs them: g++ and ninja compile every
@@ -41,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
-            "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp")
+            "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp",
+            "kv_int8.cpp")
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -124,12 +127,21 @@ def _named(name: str, kernel, *args):
 
 
 def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                           key_scale: torch.Tensor | None = None,
+                           value_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, heads, head_dim] (one token each); key/value [kv_heads, num_blocks, block_size,
     head_dim]; block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
-    window: each query attends to its last `window` keys (itself included), None to all."""
+    window: each query attends to its last `window` keys (itself included), None to all. An int8 pool comes
+    with key_scale / value_scale, [kv_heads, num_blocks, block_size] float16."""
     return _named("tinyserve::paged_decode_attention", load().paged_decode_attention,
-                  q.contiguous(), key, value, block_tables, seq_lens, scale, window)
+                  q.contiguous(), key, value, block_tables, seq_lens, scale, window, key_scale, value_scale)
+
+
+def write_kv_int8(x: torch.Tensor, pool: torch.Tensor, pool_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """x [tokens, kv_heads, head_dim] rounded into an int8 pool [kv_heads, num_blocks, block_size, head_dim] and
+    its float16 row scales [kv_heads, num_blocks, block_size] at slot_mapping [tokens] int64, in place."""
+    _named("tinyserve::write_kv_int8", load().write_kv_int8, x, pool, pool_scale, slot_mapping)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,13 @@ import torch
 from tinyserve.config import ModelConfig
 
 
+# An 8-bit pool (`--kv-cache-dtype int8`) stores each token's K (and V) head as int8 codes with one float16
+# scale, absmax / 127 of that head's row, as llama.cpp's q8_0 cache does per 32 values: head_dim + 2 bytes
+# a row instead of 2 x head_dim in bfloat16.
+KV_SCALE_DTYPE = torch.float16
+KV_INT8_MAX = 127
+
+
 @dataclass
 class KVCache:
     """One layer's pool. Heads lead so that one sequence's gathered blocks are already [kv_heads, tokens,
@@ -20,6 +27,19 @@ class KVCache:
 
     key: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
     value: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+    # int8 pool: each row's scale, [num_kv_heads, num_blocks, block_size] float16 (a row is code x scale)
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_scale is not None
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """What one token's K (or V) of one head takes in a pool of kv_dtype (int8: its codes and scale)."""
+    size = head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    return size + (torch.empty((), dtype=KV_SCALE_DTYPE).element_size() if kv_dtype == torch.int8 else 0)
 
 
 @dataclass(frozen=True)
@@ -86,7 +106,8 @@ class KVLayout:
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device, layout: KVLayout | None = None) -> list[KVCache]:
-    """One zero-filled pool per slot, as each layer's (layers of one slot share it); flat by default."""
+    """One zero-filled pool per slot, as each layer's (layers of one slot share it); flat by default.
+    dtype: the pool's (the model's, or torch.int8 for the 8-bit pool)."""
     layout = layout or KVLayout.flat(config.num_hidden_layers)
     return layer_caches(layout, dict(kv_cache_slots(config, layout, num_blocks, block_size, dtype, device)))
 
@@ -106,24 +127,55 @@ def kv_cache_slots(config: ModelConfig, layout: KVLayout, num_blocks: int, block
     heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     shape = (heads, num_blocks, block_size, config.head_dim)
     for slot in layout.slots_of(range(config.num_hidden_layers) if layers is None else layers):
-        yield slot, KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device))
+        pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+        if dtype == torch.int8:
+            pool += [torch.zeros(shape[:-1], dtype=KV_SCALE_DTYPE, device=device) for _ in range(2)]
+        yield slot, KVCache(*pool)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (int8 codes [..., head_dim], float16 scales [...]): each row rounded to the
+    nearest of 255 levels of its own absmax. The codes are x times 1 / the float16-rounded scale (as
+    csrc/kv_int8.cpp computes them), so that code x scale is what a reader gets back; a row of zeros has
+    scale 0 and codes 0."""
+    scale = (x.abs().amax(dim=-1).float() * (1 / KV_INT8_MAX)).to(KV_SCALE_DTYPE)
+    inverse = scale.float().masked_fill(scale == 0, 1.0).reciprocal().unsqueeze(-1)
+    codes = (x.float() * inverse).round_().clamp_(-KV_INT8_MAX, KV_INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def _write(pool: torch.Tensor, pool_scale: torch.Tensor | None, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = x.shape[1], x.shape[2]
+    if pool_scale is not None:
+        x, scale = quantize_rows(x)
+        pool_scale.view(num_kv_heads, -1).index_copy_(1, slot_mapping, scale.transpose(0, 1))
+    pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, x.transpose(0, 1))
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    cache.key.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    cache.value.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+    """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots (an int8 pool:
+    rounded, each row with its scale)."""
+    _write(cache.key, cache.key_scale, key, slot_mapping)
+    _write(cache.value, cache.value_scale, value, slot_mapping)
 
 
-def gather_kv(cache: KVCache, block_table: torch.Tensor, seq_len: int,
-              first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(cache: KVCache, block_table: torch.Tensor, seq_len: int, first: int = 0,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's cached K and V at positions first .. seq_len - 1, each [num_kv_heads, seq_len - first,
-    head_dim]. Only the blocks holding them are read (a sliding window's start need not be block-aligned)."""
+    head_dim]. Only the blocks holding them are read (a sliding window's start need not be block-aligned).
+    An int8 pool's rows come back as code x scale in `dtype` (float32 when None)."""
     num_kv_heads, _, block_size, head_dim = cache.key.shape
     blocks = block_table[first // block_size : -(-seq_len // block_size)]
     rows = slice(first % block_size, first % block_size + seq_len - first)
-    k = cache.key[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, rows]
-    v = cache.value[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, rows]
-    return k, v
+
+    def read(pool: torch.Tensor, pool_scale: torch.Tensor | None) -> torch.Tensor:
+        x = pool[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, rows]
+        if pool_scale is None:
+            return x
+        return dequantize_rows(x, pool_scale[:, blocks].reshape(num_kv_heads, -1)[:, rows], dtype or torch.float32)
+
+    return read(cache.key, cache.key_scale), read(cache.value, cache.value_scale)

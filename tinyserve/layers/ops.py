@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.layers import cpu_kernels
+from tinyserve.layers import kv_cache
 from tinyserve.layers.kv_cache import KVCache
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
@@ -179,7 +180,18 @@ def paged_decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.
     token each; block_tables [num_seqs, width], seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
     The kernel walks each block table and reads K and V in place, from the first block of the sliding
     window (`window` keys, the query's own included) where the layer has one."""
-    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale, window)
+    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale, window,
+                                              cache.key_scale, cache.value_scale)
+
+
+def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The step's K/V ([num_tokens, kv_heads, head_dim]) into their slots: an 8-bit pool's rounding in one
+    kernel call each where the kernels take them (the same values as kv_cache.write_kv's formula)."""
+    if cache.quantized and kernel_takes(key):
+        cpu_kernels.write_kv_int8(key.contiguous(), cache.key, cache.key_scale, slot_mapping)
+        cpu_kernels.write_kv_int8(value.contiguous(), cache.value, cache.value_scale, slot_mapping)
+    else:
+        kv_cache.write_kv(cache, key, value, slot_mapping)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

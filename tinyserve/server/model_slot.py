@@ -332,12 +332,14 @@ def _weight_bytes(llm_engine) -> int:
 
 
 def _kv_bytes(llm_engine) -> int:
-    """The KV pools, the draft model's included: one (key, value) pair of tensors per slot (layers of one
-    slot share theirs: layers/kv_cache.py, KVLayout); rank 0's alone with tensor / pipeline parallel."""
+    """The KV pools, the draft model's included: one (key, value) pair of tensors per slot, and an int8 pool's
+    two scale tensors (layers of one slot share theirs: layers/kv_cache.py, KVLayout); rank 0's alone with
+    tensor / pipeline parallel."""
     pools = [llm_engine.runner.kv_cache]
     if draft := _draft(llm_engine):
         pools.append(draft.kv_cache)
-    tensors = {id(t): t for pool in pools for layer in pool if layer is not None for t in (layer.key, layer.value)}
+    tensors = {id(t): t for pool in pools for layer in pool if layer is not None
+               for t in (layer.key, layer.value, layer.key_scale, layer.value_scale) if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

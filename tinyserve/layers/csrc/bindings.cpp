@@ -6,7 +6,8 @@
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                                     std::optional<int64_t> window);
+                                     std::optional<int64_t> window, const std::optional<torch::Tensor>& key_scale,
+                                     const std::optional<torch::Tensor>& value_scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -20,11 +21,13 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 torch::Tensor int8_channel_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                   int64_t out_features);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
+void write_kv_int8(const torch::Tensor& x, torch::Tensor& pool, torch::Tensor& pool_scale,
+                   const torch::Tensor& slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
         py::arg("q"), py::arg("key"), py::arg("value"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = py::none());
+        py::arg("window") = py::none(), py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
   m.def("rms_norm", &rms_norm, "weight * x / rms(x)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
@@ -34,5 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_matmul", &f32_matmul, "x times a plain [out, in] float32 weight, for steps of a few tokens");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
   m.def("int8_channel_matmul", &int8_channel_matmul, "x times an int8 weight with one scale per row, x rounded per token");
+  m.def("write_kv_int8", &write_kv_int8, "K or V rounded to int8 with a float16 scale per row, into its slots");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }
