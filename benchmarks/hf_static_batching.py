@@ -15,6 +15,7 @@ import json
 import time
 
 from tinyserve.bench.config import OfflineBenchConfig
+from tinyserve.config import EngineConfig
 from tinyserve.bench.offline import offline_workload, peak_rss_mib
 
 
@@ -51,7 +52,7 @@ def _generate_batch(model, batch: list[tuple[list[int], int]], pad_id: int) -> i
 def run_hf_static(config: OfflineBenchConfig, batch_size: int = 16) -> dict:
     import torch
 
-    model = _load(config.model, config.dtype)
+    model = _load(config.engine.model, config.engine.dtype)
     pad_id = model.generation_config.pad_token_id or model.config.eos_token_id or 0
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
     _generate_batch(model, [(list(range(1, 17)), config.num_warmup_tokens or 1)], pad_id)  # warm-up
@@ -63,7 +64,8 @@ def run_hf_static(config: OfflineBenchConfig, batch_size: int = 16) -> dict:
     num_output = sum(n for _, n in workload)
     num_input = sum(len(ids) for ids, _ in workload)
     return {
-        "bench": "offline", "engine": "transformers-static", "model": config.model, "dtype": config.dtype,
+        "bench": "offline", "engine": "transformers-static", "model": config.engine.model,
+        "dtype": config.engine.dtype,
         "device": "cpu", "torch_threads": torch.get_num_threads(), "num_prompts": config.num_prompts,
         "batch_size": batch_size, "seed": config.seed, "input_tokens": num_input, "output_tokens": num_output,
         "generated_tokens": generated, "elapsed_s": round(elapsed, 3),
@@ -83,7 +85,7 @@ def main() -> None:
     parser.add_argument("--output-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    config = OfflineBenchConfig(model=args.model, dtype=args.dtype, num_prompts=args.num_prompts, seed=args.seed,
+    config = OfflineBenchConfig(EngineConfig(args.model, args.dtype), num_prompts=args.num_prompts, seed=args.seed,
                                 input_len_range=tuple(args.input_len_range),
                                 output_len_range=tuple(args.output_len_range))
     print(json.dumps(run_hf_static(config, args.batch_size)), flush=True)

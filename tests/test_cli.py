@@ -19,3 +19,24 @@ def test_threads_sets_torchs_pool_and_refuses_nonsense(capsys):
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--threads", "two", "hi"])
+
+
+def test_bench_offline_hands_every_engine_flag_to_the_engine(monkeypatch):
+    # `bench offline` once took only a few engine flags and ignored the rest (--block-size, --max-model-len...)
+    import tinyserve.bench.commands as commands
+
+    seen = {}
+    monkeypatch.setattr(commands, "bench_offline", lambda config, result_file: seen.__setitem__("config", config) or 0)
+    argv = ["bench", "offline", "--block-size", "32", "--max-model-len", "1024", "--quantization", "none",
+            "--kv-cache-dtype", "int8", "--max-num-seqs", "7", "--no-prefix-caching", "--num-prompts", "3",
+            "--input-len-range", "5", "9", "--seed", "4"]
+    assert main(argv) == 0
+    config = seen["config"]
+    engine = config.engine
+    assert (engine.dtype, engine.quantization, engine.seed) == ("bfloat16", "none", 4)  # the recipe's dtype
+    assert (engine.cache.block_size, engine.cache.kv_cache_dtype, engine.cache.enable_prefix_caching) == (32, "int8",
+                                                                                                        False)
+    assert (engine.scheduler.max_model_len, engine.scheduler.max_num_seqs) == (1024, 7)
+    assert (config.num_prompts, config.input_len_range, config.seed) == (3, (5, 9), 4)
+    assert main(["bench", "offline", "--dtype", "float32"]) == 0
+    assert seen["config"].engine.dtype == "float32"

@@ -119,3 +119,14 @@ def test_mixed_int4_model_computes_its_mixed_quantized_values(mixed_path):
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     got, exact = forward_sequence(model, ids), forward_sequence(reference, ids)
     assert (got - exact).abs().max() <= 0.05 * exact.abs().max()
+
+
+def test_a_file_counts_as_quantized_only_when_every_block_matrix_is(tmp_path, mixed_path, tiny_llama):
+    """--quantization auto's test of a GGUF: all of its blocks' matrices in quantized types (the head and
+    embedding may be anything); one F16 matrix (the mix's layer 1 down) or a float file: not quantized."""
+    from tinyserve.loader.gguf import gguf_linears_quantized
+
+    quantized = {**MIX, "blk.1.ffn_down.weight": Q.Q8_0, "token_embd.weight": Q.F16}
+    assert gguf_linears_quantized(open_gguf(_write(tmp_path / "q.gguf", tiny_llama, types=quantized)))
+    assert not gguf_linears_quantized(open_gguf(mixed_path))
+    assert not gguf_linears_quantized(open_gguf(_write(tmp_path / "f32.gguf", tiny_llama)))

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tinyserve.cli_bench import LOG_LEVELS, add_bench_parser
 from tinyserve.config import (DEFAULT_MODEL, DTYPES, GENERATION_CONFIG_SOURCES, KV_CACHE_DTYPES,
-                              LLAMA_CPP_SAMPLING_DEFAULTS, QUANTIZATIONS, SAMPLING_DEFAULT_FIELDS, SPECULATIVE_METHODS,
+                              LLAMA_CPP_SAMPLING_DEFAULTS, QUANTIZATION_MODES, QUANTIZATIONS, SAMPLING_DEFAULT_FIELDS,
+                              SPECULATIVE_METHODS,
                               CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig,
                               SpeculativeConfig)
 
@@ -35,9 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
                    help="CUDA: run decode steps eagerly, without CUDA graphs (captured at start-up by default)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU compute threads of torch and our kernels (default: torch's, one per physical core)")
-    g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
-                   help="weight-only quantization on CPU (bfloat16 activations): faster single-stream decode, "
-                        "slower at large batches; see README 'Speed modes'")
+    g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATION_MODES,
+                   help="the linears' weights on CPU: auto (default) runs a GGUF stored quantized through our "
+                        "integer kernels (its own codes) and keeps a float checkpoint's dtype; none forces the "
+                        "float path; int8 / int4 quantize any checkpoint; see README 'Speed modes'")
     g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory_gib, metavar="GIB",
                    help=f"KV cache budget in GiB (default: {CacheConfig.cpu_kv_cache_memory_gib:g} GiB on CPU, "
                         f"{CacheConfig.memory_fraction:.0%}% of the free memory on CUDA)")  # "%%": argparse %-formats help

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, PERCENTILE_METRICS, DatasetConfig,
-                                    OfflineBenchConfig, ServeBenchConfig, SweepConfig)
+                                    OFFLINE_DTYPE, OfflineBenchConfig, ServeBenchConfig, SweepConfig)
 from tinyserve.config import DEFAULT_MODEL
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -119,13 +119,12 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from tinyserve.bench.commands import bench_offline
 
+    from tinyserve.cli import engine_config_from_args
+
     config = OfflineBenchConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        num_prompts=args.num_prompts,
+        engine_config_from_args(args), num_prompts=args.num_prompts,
         input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
-        seed=args.seed, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
     )
     return bench_offline(config, args.result_file)
 
@@ -157,6 +156,6 @@ def add_bench_parser(sub) -> None:
     offline.add_argument("--output-len-range", type=int, nargs=2,
                          default=list(OfflineBenchConfig.output_len_range), metavar=("MIN", "MAX"))
     offline.add_argument("--result-file", type=Path, default=None)
-    offline.set_defaults(func=cmd_bench_offline, dtype=OfflineBenchConfig.dtype)
+    offline.set_defaults(func=cmd_bench_offline, dtype=OFFLINE_DTYPE)
 
 

@@ -13,6 +13,11 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # the choices of --dtype and of EngineConfig.dtype
 Quantization = Literal["int8", "int4"]  # weight-only formats (layers/quant.py)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+# --quantization: "auto" runs a GGUF whose linears the file stores quantized through our integer kernels
+# (int4 mode: the file's codes, its 5-8-bit tensors at int8), where they run (CPU, bfloat16), as llama.cpp
+# serves the same file; anything else keeps its dtype. "none" forces the float path.
+QuantizationMode = Literal["auto", "none", "int8", "int4"]
+QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)
 # Where the default sampling fields come from (--generation-config, as vLLM's): "auto" from the checkpoint,
 # "vllm" the neutral values of SamplingDefaults below (OpenAI's, and vLLM's own defaults).
 GenerationConfigSource = Literal["auto", "vllm"]
@@ -340,7 +345,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # alias, path to a .gguf file, or a Hugging Face checkpoint folder
     dtype: DType = "auto"
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    quantization: Quantization | None = None  # weight-only "int8" / "int4" (CPU, bfloat16); see layers/quant.py
+    # QUANTIZATION_MODES above; None is "none". Resolved at load (loader/model_loader.py, resolve_quantization).
+    quantization: QuantizationMode | None = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -372,8 +378,8 @@ class EngineConfig:
                                                      or isinstance(value, bool)):
                 kind = "an integer" if is_top_k else "a number"
                 raise ValueError(f"override_generation_config: {name} must be {kind}, got {value!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; "
                              f"got {self.quantization!r}")
 
 

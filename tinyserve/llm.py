@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinyserve.config import (CacheConfig, DType, EngineConfig, GenerationConfigSource, ParallelConfig, Quantization,
+from tinyserve.config import (CacheConfig, DType, EngineConfig, GenerationConfigSource, ParallelConfig, QuantizationMode,
                               SchedulerConfig, SpeculativeConfig)
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
@@ -55,7 +55,7 @@ class LLM:
     # The keywords flatten EngineConfig and its cache and scheduler configs, whose defaults they read.
     def __init__(self, model: str = EngineConfig.model, dtype: DType = EngineConfig.dtype,
                  device: str = EngineConfig.device, *,
-                 quantization: Quantization | None = EngineConfig.quantization,
+                 quantization: QuantizationMode | None = EngineConfig.quantization,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                  max_model_len: int | None = SchedulerConfig.max_model_len,
@@ -82,6 +82,16 @@ class LLM:
             speculative=speculative or SpeculativeConfig(),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size), enforce_eager=enforce_eager,
         )
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over a whole EngineConfig (every engine flag, as `tinyserve serve` builds it)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 

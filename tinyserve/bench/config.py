@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from tinyserve.config import DEFAULT_MODEL, CacheConfig, DType, EngineConfig, Quantization, SchedulerConfig
+from tinyserve.config import DEFAULT_MODEL, EngineConfig
 
 DatasetName = Literal["random", "prefix-repetition", "sharegpt", "copy"]
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
@@ -149,27 +149,22 @@ class SweepConfig:
         _positive("num_runs", self.num_runs)
 
 
+OFFLINE_DTYPE = "bfloat16"  # the offline recipe's dtype (the engine's own default is "auto")
+
+
 @dataclass(frozen=True)
 class OfflineBenchConfig:
     """The engine alone through the offline LLM API: random token-id prompts, ignore_eos, greedy.
 
     Defaults are the recipe of the engine issue: 256 prompts of 64-512 tokens, 32-256 output tokens, in
-    bfloat16; the engine's other settings default as in tinyserve/config.py.
+    bfloat16; `engine` is the whole engine config (`bench offline` takes every engine flag `serve` takes).
     """
 
-    model: str = EngineConfig.model
-    dtype: DType = "bfloat16"
-    quantization: Quantization | None = EngineConfig.quantization
-    device: str = EngineConfig.device
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(dtype=OFFLINE_DTYPE))
     num_prompts: int = 256
     input_len_range: tuple[int, int] = (64, 512)  # inclusive
     output_len_range: tuple[int, int] = (32, 256)  # inclusive
-    seed: int = EngineConfig.seed  # the workload's and the engine's
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
-    kv_cache_memory_gib: float | None = CacheConfig.kv_cache_memory_gib
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
-    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    seed: int = EngineConfig.seed  # the workload's (the engine's is engine.seed)
     num_warmup_tokens: int = 8  # one short generate before the clock starts (0: none)
 
     def __post_init__(self) -> None:
@@ -178,5 +173,4 @@ class OfflineBenchConfig:
                                   ("output_len_range", self.output_len_range)):
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must satisfy 1 <= min <= max, got {low}-{high}")
-        _positive("max_num_seqs", self.max_num_seqs)
         _positive("num_warmup_tokens", self.num_warmup_tokens, allow_zero=True)

@@ -45,11 +45,8 @@ def run_offline(config: OfflineBenchConfig) -> dict:
     from tinyserve.llm import LLM
     from tinyserve.types import SamplingParams
 
-    llm = LLM(config.model, config.dtype, config.device, quantization=config.quantization,
-              max_num_seqs=config.max_num_seqs,
-              max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_memory_gib,
-              enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
-              kv_cache_dtype=config.kv_cache_dtype)
+    engine = config.engine
+    llm = LLM.from_config(engine)
     if config.num_warmup_tokens:
         llm.generate([list(range(1, 17))], SamplingParams(temperature=0.0, max_tokens=config.num_warmup_tokens))
     workload = offline_workload(config)
@@ -61,11 +58,12 @@ def run_offline(config: OfflineBenchConfig) -> dict:
     num_input = sum(len(ids) for ids, _ in workload)
     stats = llm.engine.stats()
     return {
-        "bench": "offline", "engine": "tinyserve", "model": config.model, "dtype": config.dtype,
-        "quantization": config.quantization,
+        "bench": "offline", "engine": "tinyserve", "model": engine.model, "dtype": engine.dtype,
+        "quantization": engine.quantization, "weights": llm.engine.quantization or "float",
+        "kv_cache_dtype": engine.cache.kv_cache_dtype,
         "device": str(llm.engine.runner.device), "torch_threads": _torch_threads(),
-        "num_prompts": config.num_prompts, "max_num_seqs": config.max_num_seqs,
-        "max_num_batched_tokens": config.max_num_batched_tokens, "seed": config.seed,
+        "num_prompts": config.num_prompts, "max_num_seqs": engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens, "seed": config.seed,
         "input_tokens": num_input, "output_tokens": num_output,
         "expected_output_tokens": sum(n for _, n in workload),
         "elapsed_s": round(elapsed, 3),

@@ -96,6 +96,7 @@ class LLMEngine:
         else:
             assert draft is None, "a draft model without speculative method 'draft'"
         self.model_config = loaded.config
+        self.quantization = loaded.quantization  # as resolved at load: "int4", "int8", or None (float)
         self.tokenizer = (loaded.tokenizer if config.chat_template is None
                           else loaded.tokenizer.with_chat_template(config.chat_template))
         # for the fields a request leaves out; the server and tinyserve.LLM apply them
@@ -116,7 +117,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            hash_seed=f"{loaded.source}:{dtype}:{config.quantization}:{kv_dtype}",  # cached KV is per weights
+            hash_seed=f"{loaded.source}:{dtype}:{loaded.quantization}:{kv_dtype}",  # cached KV is per weights
             group_windows=layout.group_windows,
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)

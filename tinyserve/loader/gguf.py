@@ -37,6 +37,13 @@ _STORED_BITS = {
 }
 
 
+def gguf_linears_quantized(reader: GGUFFile) -> bool:
+    """Whether the file stores every matrix of its blocks (the linears: norms are vectors) in a quantized
+    type, as llama.cpp's quantizer writes them: `--quantization auto` then serves its codes."""
+    matrices = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return bool(matrices) and all(_STORED_BITS.get(t.tensor_type) is not None for t in matrices)
+
+
 def open_gguf(path: str | Path) -> GGUFFile:
     try:
         return GGUFFile(path)

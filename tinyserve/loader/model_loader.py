@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
+from tinyserve.layers import ops
 from tinyserve.layers.linear import (
     can_pack,
     pack_linear_weights_in_pieces,
@@ -31,7 +32,8 @@ from tinyserve.layers.linear import (
 )
 from tinyserve.layers.quant import check_quantization
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import gguf_model_config, gguf_sampling_fields, gguf_tensors, open_gguf
+from tinyserve.loader.gguf import (gguf_linears_quantized, gguf_model_config, gguf_sampling_fields, gguf_tensors,
+                                  open_gguf)
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields, hf_tensors
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.weights import load_weights_in_pieces, match_tensors
@@ -54,6 +56,7 @@ class LoadedModel:
     # the sampling fields the checkpoint recommends (generation_config.json, or a GGUF's general.sampling.*),
     # in SamplingDefaults' names; the engine resolves its defaults from them (engine/generation_defaults.py)
     recommended_sampling: dict[str, float | int | None] = field(default_factory=dict)
+    quantization: str | None = None  # the weight format its linears run in (resolve_quantization); None: float
 
     @property
     def is_hf_folder(self) -> bool:
@@ -217,6 +220,7 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
         recommended = hf_sampling_fields(path)
         tokenizer = Tokenizer.from_folder(path)
         tensors, ignore = hf_tensors(path), partial(hf_ignored, config=config)
+        stored_quantized = False
     else:
         reader = open_gguf(path)
         yield
@@ -224,7 +228,9 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
         recommended = gguf_sampling_fields(reader) or dict(ALIAS_SAMPLING.get(model, {}))
         tokenizer = Tokenizer.from_gguf(reader)
         tensors, ignore = gguf_tensors(reader, config), lambda _: False
+        stored_quantized = gguf_linears_quantized(reader)
     yield
+    quantization = resolve_quantization(quantization, stored_quantized, torch_dtype, torch_device)
     shard = shard_for(config, torch_dtype) if shard_for is not None else None
     net = yield from build_model_in_pieces(config, tensors, torch_dtype, torch_device, ignore=ignore,
                                            quantization=quantization, shard=shard)
@@ -232,7 +238,21 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
     config = _with_eos(config, eos, tokenizer.bos_token_id)
     logger.info("loaded %s (%s, %s%s on %s) in %.1fs", path.name, config.architecture, torch_dtype,
                 f", {quantization} weights" if quantization else "", torch_device, time.perf_counter() - start)
-    return LoadedModel(net, config, tokenizer, path, recommended)
+    return LoadedModel(net, config, tokenizer, path, recommended, quantization)
+
+
+def resolve_quantization(mode: str | None, stored_quantized: bool, dtype: torch.dtype,
+                         device: torch.device) -> str | None:
+    """The weight format of `--quantization mode` (config.QUANTIZATION_MODES) for a checkpoint whose linears
+    the file stores quantized (stored_quantized) or not; None: the float path. "auto" is int4 mode, which
+    keeps a GGUF's own codes (Q4_x as int4, its 5-8-bit tensors and the head at int8: layers/linear.py),
+    where our int kernels run (CPU, bfloat16); a float checkpoint, float32 or CUDA keep their dtype."""
+    if mode is None or mode == "none":
+        return None
+    if mode != "auto":
+        return mode
+    runs = device.type == "cpu" and dtype == torch.bfloat16 and ops.has_cpu_kernels()
+    return "int4" if runs and stored_quantized else None
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...], bos: int | None) -> ModelConfig:
