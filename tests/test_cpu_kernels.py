@@ -51,8 +51,29 @@ def test_rotary_on_a_strided_view_of_qkv(dtype):
     q = qkv[:, : heads * dim].view(tokens, heads, dim)  # rows strided by the whole qkv width
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     cos, sin = RotaryEmbedding(dim, 4096, 10000.0)(torch.randint(0, 4096, (tokens,), generator=gen), dtype)
-    for x in (q, k):
-        _same(cpu_kernels.rotary(x, cos, sin), x * cos + x.roll(dim // 2, dims=-1) * sin)
+    want_q, want_k = (x * cos + x.roll(dim // 2, dims=-1) * sin for x in (q, k))
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    cpu_kernels.rotary_(q, k, cos, sin)  # both, in place, in qkv's memory
+    _same(q, want_q)
+    _same(k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # V, beside them, untouched
+
+
+def test_bfloat16_rounding_matches_torch_on_ties_infinities_and_nan():
+    """The kernels' branchless bfloat16 rounding (csrc/float_types.h) against torch's, through add_rms_norm's
+    residual sum (two bfloat16 values added in float32, rounded back): halfway cases go to even (down
+    from 1 + 2^-8, up from 1 + 3 * 2^-8), a sum past bfloat16's largest to inf, NaN stays NaN."""
+    bf16_max = torch.finfo(torch.bfloat16).max
+    x = torch.tensor([[1.0, 1.0, -1.0, 1.0, bf16_max, -bf16_max, float("inf"), float("nan")]]).to(torch.bfloat16)
+    residual = torch.tensor([[2**-8, 3 * 2**-8, -(2**-8), 2**-8 + 2**-14, bf16_max, -bf16_max, 1.0, 1.0]])
+    residual = residual.to(torch.bfloat16)
+    stream = residual.clone()
+    cpu_kernels.add_rms_norm(x, stream, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    want = x + residual
+    assert torch.equal(stream[:, :-1], want[:, :-1])
+    assert stream[0, :4].tolist() == [1.0, 1 + 4 * 2**-8, -1.0, 1 + 2**-7]  # the ties, and just past one
+    assert stream[0, -1].isnan()
+    assert cpu_kernels.silu_and_mul(torch.tensor([[float("nan"), 1.0]], dtype=torch.bfloat16))[0, 0].isnan()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,7 +89,12 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="cos and sin"):
-        cpu_kernels.rotary(torch.randn(3, 2, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+        cpu_kernels.rotary_(torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+    with pytest.raises(RuntimeError, match="same tokens"):
+        cpu_kernels.rotary_(torch.randn(3, 2, 8), torch.randn(2, 1, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8))
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        cpu_kernels.rotary_(torch.randn(3, 8, 2).transpose(1, 2), torch.randn(3, 1, 8), torch.randn(3, 1, 8),
+                            torch.randn(3, 1, 8))
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
@@ -87,9 +113,11 @@ def test_layers_agree_on_both_paths(monkeypatch, use_kernels):
     assert torch.equal(norm(x), rms_norm(x, norm.weight, 1e-6))
     h = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
     assert torch.equal(ops.silu_and_mul(h), F.silu(h[:, :64]) * h[:, 64:])
-    q = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    q, k = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16), torch.randn(5, 1, 64, generator=gen).to(torch.bfloat16)
     cos, sin = RotaryEmbedding(64, 128, 10000.0)(torch.arange(5), torch.bfloat16)
-    assert torch.equal(ops.rotary(q, cos, sin), q * cos + q.roll(32, dims=-1) * sin)
+    want_q, want_k = q * cos + q.roll(32, dims=-1) * sin, k * cos + k.roll(32, dims=-1) * sin
+    got_q, got_k = ops.rotary(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
 def test_zero_widths_raise_instead_of_dividing_by_zero():
@@ -102,7 +130,7 @@ def test_zero_widths_raise_instead_of_dividing_by_zero():
     with pytest.raises(RuntimeError, match="last dim of x must be >= 1"):
         cpu_kernels.silu_and_mul(torch.randn(3, 0))
     with pytest.raises(RuntimeError, match="even head_dim"):
-        cpu_kernels.rotary(torch.randn(3, 2, 0), torch.randn(3, 1, 0), torch.randn(3, 1, 0))
+        cpu_kernels.rotary_(torch.randn(3, 2, 0), torch.randn(3, 1, 0), torch.randn(3, 1, 0), torch.randn(3, 1, 0))
 
 
 def test_weights_read_by_pointer_must_be_contiguous():
@@ -218,3 +246,25 @@ def test_the_build_is_named_by_its_sources_and_compiles_copies_of_them(tmp_path,
     assert all(p.startswith(str(build_dir / "src")) for p in staged)
     assert (build_dir / "src" / "fused_ops.cpp").read_text().endswith("// changed\n")
     assert (build_dir / "src" / "float_types.h").exists()  # the headers come along
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_argmax_is_torch_argmax(dtype):
+    """Greedy's pick: random rows over a vocabulary no multiple of the 64-wide blocks, a tie (the first
+    wins), a max in the last block, a NaN (torch takes it as the largest), a row of -inf, a row of one
+    value repeated."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 49_155, generator=gen).to(dtype)
+    logits[1, 700] = logits[1, 30_000] = 50.0
+    logits[2, -1] = 50.0
+    logits[3, 12_345] = float("nan")
+    logits[3, 20_000] = float("inf")
+    logits[4] = float("-inf")
+    logits[5] = 1.5
+    want = logits.argmax(dim=-1)
+    assert torch.equal(cpu_kernels.row_argmax(logits), want)
+    assert want[1] == 700 and want[2] == 49_154 and want[3] == 12_345 and want[4] == 0
+    assert torch.equal(ops.argmax(logits), want)
+    assert torch.equal(ops.argmax(logits[:, 1:]), logits[:, 1:].argmax(dim=-1))  # strided: torch's path
+    with pytest.raises(RuntimeError, match="vocab >= 1"):
+        cpu_kernels.row_argmax(torch.randn(2, 0))

@@ -86,12 +86,15 @@ def test_write_kv_into_an_int8_pool_stores_codes_and_scales():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64, 80])
 def test_the_write_kernel_gives_the_formulas_codes_and_scales(dtype, dim):
-    """csrc/kv_int8.cpp against kv_cache.write_kv's torch formula, bit for bit: rows over six decades, a zero
-    row, a head_dim that is no multiple of the vector width."""
+    """csrc/kv_write.cpp against kv_cache.write_kv's torch formula, bit for bit: rows over six decades, a zero
+    row, a head_dim that is no multiple of the vector width; K and V read in place from a qkv-like buffer
+    (rows strided by its width)."""
     gen = torch.Generator().manual_seed(dim)
-    k = (torch.randn(12, 2, dim, generator=gen) * torch.logspace(-4, 2, 12).view(12, 1, 1)).to(dtype)
-    v = torch.randn(12, 2, dim, generator=gen).to(dtype)
-    k[3, 0] = 0.0
+    qkv = torch.randn(12, 7, dim, generator=gen)
+    qkv[:, 3:5] *= torch.logspace(-4, 2, 12).view(12, 1, 1)
+    qkv = qkv.to(dtype)
+    qkv[3, 3] = 0.0
+    k, v = qkv[:, 3:5], qkv[:, 5:7]
     slots = torch.randperm(16, generator=gen)[:12]
     want, got = _int8_pool(dim=dim), _int8_pool(dim=dim)
     write_kv(want, k, v, slots)
@@ -104,9 +107,31 @@ def test_the_write_kernel_gives_the_formulas_codes_and_scales(dtype, dim):
 def test_the_write_kernel_refuses_a_slot_outside_the_pool():
     pool = _int8_pool()
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 16 is outside the pool \[0, 16\)"):
-        ops.cpu_kernels.write_kv_int8(torch.randn(2, 2, 16), pool.key, pool.key_scale, torch.tensor([0, 16]))
+        ops.cpu_kernels.write_kv(*torch.randn(2, 2, 2, 16), pool.key, pool.value, torch.tensor([0, 16]),
+                                 pool.key_scale, pool.value_scale)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        ops.cpu_kernels.write_kv_int8(torch.randn(2, 3, 16), pool.key, pool.key_scale, torch.tensor([0, 1]))
+        ops.cpu_kernels.write_kv(*torch.randn(2, 2, 3, 16), pool.key, pool.value, torch.tensor([0, 1]),
+                                 pool.key_scale, pool.value_scale)
+    with pytest.raises(RuntimeError, match="both scales or neither"):
+        ops.cpu_kernels.write_kv(*torch.randn(2, 2, 2, 16), pool.key, pool.value, torch.tensor([0, 1]),
+                                 pool.key_scale)
+    with pytest.raises(RuntimeError, match="float pool must be in x's dtype"):
+        ops.cpu_kernels.write_kv(*torch.randn(2, 2, 2, 16), pool.key, pool.value, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_write_kernel_copies_k_and_v_into_a_float_pool(dtype):
+    """A float pool: the kernel's one call per layer against the formula's two index_copy_, on K and V
+    views of a qkv-like buffer."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, 4, 32, generator=gen).to(dtype)
+    k, v = qkv[:, 2:3], qkv[:, 3:4]
+    slots = torch.tensor([9, 0, 31, 4, 17, 8])
+    want, got = (KVCache(torch.zeros(1, 8, 4, 32, dtype=dtype), torch.zeros(1, 8, 4, 32, dtype=dtype)) for _ in "ab")
+    write_kv(want, k, v, slots)
+    ops.write_kv(got, k, v, slots)
+    assert torch.equal(got.key, want.key) and torch.equal(got.value, want.value)
+    assert torch.equal(got.key.view(-1, 32)[slots], k[:, 0]) and got.key.view(-1, 32)[1].abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,6 +24,7 @@ from tinyserve.engine import logits_processing
 from tinyserve.engine.logits_processing import AdjustParams, Candidates
 from tinyserve.engine.request import Request
 from tinyserve.engine.sampler import Sampler, TokenMasks, draw, logprob_table
+from tinyserve.layers import ops
 from tinyserve.types import TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -47,7 +48,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], prop
     proposed = torch.tensor([t for p in proposals for t in [*p, 0]], device=device)  # [rows]; 0 on last rows
     has_proposal = torch.tensor([j < len(p) for p in proposals for j in range(1 + len(p))], device=device)
     # p_j(x_j) per row, and the token drawn in case of rejection (or after the last proposal)
-    drawn = adjusted.argmax(dim=-1)  # greedy rows keep it: the argmax of p_j
+    drawn = ops.argmax(adjusted)  # greedy rows keep it: the argmax of p_j
     is_greedy = torch.tensor([r.sampling_params.is_greedy for r in row_requests], device=device)
     accept_prob = (is_greedy & (drawn == proposed)).float()  # sampled rows get p_j(x_j) below
     groups = logits_processing.cut(adjusted, row_requests)

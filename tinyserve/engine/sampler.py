@@ -64,9 +64,7 @@ class Sampler:
         # constrained rows draw from the grammar's allowed tokens; logprobs still come from the raw logits
         draw_from = logits if token_masks is None else token_masks.applied_to(logits)
         if all(logits_processing.is_plain_greedy(r) for r in requests):
-            # the fast path. The float32 cast is exact and pays for itself: argmax over bfloat16 rows
-            # is slower than cast + argmax on CPU (docs/PERFORMANCE.md, "Numbers behind the code's comments")
-            next_token_ids = draw_from.float().argmax(dim=-1)  # [batch]
+            next_token_ids = ops.argmax(draw_from)  # the fast path: [batch], in our kernel on the CPU
         else:
             next_token_ids = self._sample(draw_from.float(), requests)
         return _to_output(logits, next_token_ids, requests)
@@ -76,7 +74,7 @@ class Sampler:
         logits = logits_processing.adjusted(logits, requests, AdjustParams.build(requests, logits.device))
         # every cut keeps a row's max, so greedy rows take the argmax of the adjusted logits
         if any(r.sampling_params.is_greedy for r in requests):
-            next_ids = logits.argmax(dim=-1)  # [batch]; sampled rows are overwritten below
+            next_ids = ops.argmax(logits)  # [batch]; sampled rows are overwritten below
         else:
             next_ids = torch.empty(len(requests), dtype=torch.int64, device=logits.device)
         groups = logits_processing.cut(logits, requests)

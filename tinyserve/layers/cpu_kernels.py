@@ -9,8 +9,9 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
   csrc/int8_channel_matmul.cpp):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix;
-- the 8-bit KV pool's writes (csrc/kv_int8.cpp): each token's head rounded with its scale, one call
-  instead of ~10 ops.
+- greedy decoding's argmax over the logits (csrc/row_argmax.cpp): torch's CPU argmax compares index by index;
+- the step's K and V into the pool (csrc/kv_write.cpp), both in one call: copied into a float pool, or each
+  token's head rounded with its scale into an 8-bit one (~10 ops a tensor in torch).
 
 They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES), by `make setup` (`python -m
 tinyserve.layers.cpu_kernels`), else by the first process that needs them: g++ and ninja compile every
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
             "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp",
-            "kv_int8.cpp")
+            "kv_write.cpp", "row_argmax.cpp")
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -138,29 +139,34 @@ def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tens
                   q.contiguous(), key, value, block_tables, seq_lens, scale, window, key_scale, value_scale)
 
 
-def write_kv_int8(x: torch.Tensor, pool: torch.Tensor, pool_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """x [tokens, kv_heads, head_dim] rounded into an int8 pool [kv_heads, num_blocks, block_size, head_dim] and
-    its float16 row scales [kv_heads, num_blocks, block_size] at slot_mapping [tokens] int64, in place."""
-    _named("tinyserve::write_kv_int8", load().write_kv_int8, x, pool, pool_scale, slot_mapping)
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+             slot_mapping: torch.Tensor, key_scale: torch.Tensor | None = None,
+             value_scale: torch.Tensor | None = None) -> None:
+    """key, value [tokens, kv_heads, head_dim] (rows may be strided) into their pools [kv_heads, num_blocks,
+    block_size, head_dim] at slot_mapping [tokens] int64, in place: copied into a pool of their dtype, or
+    rounded into an int8 pool with its float16 row scales [kv_heads, num_blocks, block_size]."""
+    _named("tinyserve::write_kv", load().write_kv, key, value, key_pool, value_pool, slot_mapping, key_scale,
+           value_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return load().rms_norm(x, weight, eps)
+    return _named("tinyserve::rms_norm", load().rms_norm, x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x in place (rounded to the dtype), then rms_norm(residual)."""
-    return load().add_rms_norm(x, residual, weight, eps)
+    return _named("tinyserve::add_rms_norm", load().add_rms_norm, x, residual, weight, eps)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim] (rows may be strided), cos/sin [tokens, 1, head_dim] -> a new tensor."""
-    return load().rotary(x, cos, sin)
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows may be strided) rotated in place;
+    cos/sin [tokens, 1, head_dim]."""
+    _named("tinyserve::rotary", load().rotary_, q, k, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]"""
-    return load().silu_and_mul(x)
+    return _named("tinyserve::silu_and_mul", load().silu_and_mul, x)
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
@@ -188,6 +194,11 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> tor
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 times a plain [out, in] float32 weight -> [tokens, out]."""
     return _named("tinyserve::f32_matmul", load().f32_matmul, x, weight)
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32 or bfloat16, contiguous -> [rows] int64, torch.argmax(dim=-1)'s answer."""
+    return _named("tinyserve::row_argmax", load().row_argmax, logits)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

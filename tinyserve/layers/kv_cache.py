@@ -136,7 +136,7 @@ def kv_cache_slots(config: ModelConfig, layout: KVLayout, num_blocks: int, block
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (int8 codes [..., head_dim], float16 scales [...]): each row rounded to the
     nearest of 255 levels of its own absmax. The codes are x times 1 / the float16-rounded scale (as
-    csrc/kv_int8.cpp computes them), so that code x scale is what a reader gets back; a row of zeros has
+    csrc/kv_write.cpp computes them), so that code x scale is what a reader gets back; a row of zeros has
     scale 0 and codes 0."""
     scale = (x.abs().amax(dim=-1).float() * (1 / KV_INT8_MAX)).to(KV_SCALE_DTYPE)
     inverse = scale.float().masked_fill(scale == 0, 1.0).reciprocal().unsqueeze(-1)

@@ -121,13 +121,16 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim] rotated by position (HF's "rotate half" layout, its sign folded into
-    sin: layers/rotary.py), cos/sin [num_tokens, 1, head_dim]. x may be a view into the fused qkv output
-    (rows strided, each head's dims contiguous), which the kernel reads in place."""
-    if kernel_takes(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
-        return cpu_kernels.rotary(x, cos, sin)
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim] rotated by position (HF's
+    "rotate half" layout, its sign folded into sin: layers/rotary.py), cos/sin [num_tokens, 1, head_dim].
+    Where the kernel takes them, both in one call and in place (q and k may be views into the fused qkv
+    output, rows strided, each head's dims contiguous); the caller must own their memory."""
+    if kernel_takes(q) and all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (q, k)):
+        cpu_kernels.rotary_(q, k, cos, sin)
+        return q, k
+    half = q.shape[-1] // 2
+    return q * cos + q.roll(half, dims=-1) * sin, k * cos + k.roll(half, dims=-1) * sin
 
 
 # Up to this many tokens a float32 step's linears run in our kernel, above it in torch's GEMM (which gains
@@ -185,13 +188,21 @@ def paged_decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The step's K/V ([num_tokens, kv_heads, head_dim]) into their slots: an 8-bit pool's rounding in one
-    kernel call each where the kernels take them (the same values as kv_cache.write_kv's formula)."""
-    if cache.quantized and kernel_takes(key):
-        cpu_kernels.write_kv_int8(key.contiguous(), cache.key, cache.key_scale, slot_mapping)
-        cpu_kernels.write_kv_int8(value.contiguous(), cache.value, cache.value_scale, slot_mapping)
+    """The step's K/V ([num_tokens, kv_heads, head_dim], rows may be strided) into their slots: both in one
+    kernel call where the kernels take them (an 8-bit pool's rounding with the same values as
+    kv_cache.write_kv's formula)."""
+    if kernel_takes(key) and (cache.quantized or cache.key.dtype == key.dtype):
+        cpu_kernels.write_kv(key, value, cache.key, cache.value, slot_mapping, cache.key_scale, cache.value_scale)
     else:
         kv_cache.write_kv(cache, key, value, slot_mapping)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows] int64, the first index of each row's largest value (a NaN counts as the
+    largest), as torch.argmax: in our kernel on the CPU, on the device elsewhere."""
+    if kernel_takes(logits) and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
+        return cpu_kernels.row_argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ class LlamaAttention(DirectCall, nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3 and Gemma 3 normalize each head before rotating it
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
+        q, k = ops.rotary(q, k, *rope)  # in place where the kernel takes them: qkv is this call's own
         out = self.attn(q, k, v, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -10,7 +10,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const std::optional<torch::Tensor>& value_scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                           const torch::Tensor& minimums, int64_t out_features);
@@ -20,9 +20,11 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
                           int64_t out_features);
 torch::Tensor int8_channel_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                   int64_t out_features);
+torch::Tensor row_argmax(const torch::Tensor& logits);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
-void write_kv_int8(const torch::Tensor& x, torch::Tensor& pool, torch::Tensor& pool_scale,
-                   const torch::Tensor& slot_mapping);
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_pool, torch::Tensor& value_pool,
+              const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& key_scale,
+              const std::optional<torch::Tensor>& value_scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
@@ -30,13 +32,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = py::none(), py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
   m.def("rms_norm", &rms_norm, "weight * x / rms(x)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
-  m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
+  m.def("rotary_", &rotary_, "q, k = x * cos + rotate_half(x) * sin, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("int4_matmul", &int4_matmul, "x times an int4 weight (groups of 32, float16 scale and minimum)");
   m.def("bf16_matmul", &bf16_matmul, "x times a bfloat16 weight interleaved by 16 rows");
   m.def("f32_matmul", &f32_matmul, "x times a plain [out, in] float32 weight, for steps of a few tokens");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
   m.def("int8_channel_matmul", &int8_channel_matmul, "x times an int8 weight with one scale per row, x rounded per token");
-  m.def("write_kv_int8", &write_kv_int8, "K or V rounded to int8 with a float16 scale per row, into its slots");
+  m.def("write_kv", &write_kv, "K and V into their slots of the pool (an 8-bit pool's rounded, with a scale per row)",
+        py::arg("key"), py::arg("value"), py::arg("key_pool"), py::arg("value_pool"), py::arg("slot_mapping"),
+        py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+  m.def("row_argmax", &row_argmax, "each row's first index of its largest value (NaN the largest), as torch.argmax");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }

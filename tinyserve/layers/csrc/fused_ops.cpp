@@ -11,6 +11,7 @@
 
 #include "float_types.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -19,25 +20,26 @@ namespace {
 using tinyserve::round_to;
 using tinyserve::to_float;
 
-// Rows split over threads only when there are enough of them to pay for waking the pool.
-constexpr int64_t kRowsPerTask = 16;
+// Rows split over threads only when there are enough elements to pay for waking the pool: about 8k (a
+// batch of 16 rows of SmolLM2's 576 or 1536 values splits in two or more).
+constexpr int64_t kElementsPerTask = 8192;
+
+inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, kElementsPerTask / width); }
 
 // out = weight * T(x / rms(x)), rms in float32; with a residual: residual = T(x + residual) first, and
 // that sum is what is normalized (the pre-norm decoder's stream).
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(width), [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * width;
       float sum_sq = 0.f;
       if (residual != nullptr) {
         T* res = residual + r * width;
-        for (int64_t i = 0; i < width; ++i) {
-          const T sum = round_to<T>(to_float(xr[i]) + to_float(res[i]));
-          res[i] = sum;
-          row[i] = to_float(sum);
-        }
+        // two loops of one store each: a bfloat16 both stored and read back kept the one loop scalar
+        for (int64_t i = 0; i < width; ++i) row[i] = to_float(round_to<T>(to_float(xr[i]) + to_float(res[i])));
+        for (int64_t i = 0; i < width; ++i) res[i] = round_to<T>(row[i]);  // exact: row holds T's values
       } else {
         for (int64_t i = 0; i < width; ++i) row[i] = to_float(xr[i]);
       }
@@ -50,27 +52,34 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
   });
 }
 
-// x [tokens, heads, head_dim] -> x * cos + rotate_half(x) * sin, with rotate_half's sign folded into sin
-// (cos, sin [tokens, head_dim], as layers/rotary.py builds them).
+// x [tokens, heads, head_dim] -> x * cos + rotate_half(x) * sin in place, with rotate_half's sign folded
+// into sin (cos, sin [tokens, head_dim], as layers/rotary.py builds them). Each head is read into a float
+// row first (the second half's result needs the first half's input); the two halves are separate loops
+// so that each vectorizes (an index that wraps around at the half did not).
 template <typename T>
-void rotary_rows(const T* x, int64_t token_stride, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads,
-                 int64_t dim) {
+void rotate_head(T* x, const T* c, const T* s, float* row, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  for (int64_t i = 0; i < dim; ++i) row[i] = to_float(x[i]);
+  // torch rounds each product and the sum to T: x * cos, roll(x) * sin, then their sum
+  auto rotated = [&](int64_t i, float other) {
+    const float a = to_float(round_to<T>(row[i] * to_float(c[i])));
+    const float b = to_float(round_to<T>(other * to_float(s[i])));
+    return round_to<T>(a + b);
+  };
+  for (int64_t i = 0; i < half; ++i) x[i] = rotated(i, row[i + half]);
+  for (int64_t i = half; i < dim; ++i) x[i] = rotated(i, row[i - half]);
+}
+
+template <typename T>
+void rotary_rows(T* q, int64_t q_stride, int64_t q_heads, T* k, int64_t k_stride, int64_t k_heads, const T* cos,
+                 const T* sin, int64_t tokens, int64_t dim) {
+  at::parallel_for(0, tokens, rows_per_task((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * dim;
       const T* s = sin + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + t * token_stride + h * dim;
-        T* o = out + (t * heads + h) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
-          const float rolled = to_float(xr[i < half ? i + half : i - half]);
-          // torch rounds each product and the sum to T: x * cos, roll(x) * sin, then their sum
-          const float a = to_float(round_to<T>(to_float(xr[i]) * to_float(c[i])));
-          const float b = to_float(round_to<T>(rolled * to_float(s[i])));
-          o[i] = round_to<T>(a + b);
-        }
-      }
+      for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + t * q_stride + h * dim, c, s, row.data(), dim);
+      for (int64_t h = 0; h < k_heads; ++h) rotate_head(k + t * k_stride + h * dim, c, s, row.data(), dim);
     }
   });
 }
@@ -78,7 +87,7 @@ void rotary_rows(const T* x, int64_t token_stride, const T* cos, const T* sin, T
 // x [tokens, 2 * d] (gate, up) -> T(silu(gate)) * up, [tokens, d]
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * d;
       const T* up = gate + d;
@@ -140,24 +149,27 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
   return out;
 }
 
-// x may be a view into the fused qkv output: its rows (tokens) may be strided, each row's heads contiguous.
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+// q and k may be views into the fused qkv output: their rows (tokens) may be strided, each row's heads
+// contiguous. Both are rotated in place, in one call.
+void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
               "rotary: inputs must be on the CPU");
-  TORCH_CHECK(x.dim() == 3 && x.size(2) >= 2 && x.size(2) % 2 == 0,
-              "rotary: x must be [tokens, heads, even head_dim]");
-  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary: each token's heads must be contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
-                  sin.numel() == cos.numel() && cos.scalar_type() == x.scalar_type() &&
-                  sin.scalar_type() == x.scalar_type(),
-              "rotary: cos and sin must be [tokens, head_dim] in x's dtype");
-  auto out = torch::empty_like(x);
-  tinyserve::dispatch_float_types(x, "rotary", [&](auto tag) {
+  for (const auto* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(2) >= 2 && x->size(2) % 2 == 0,
+                "rotary: q and k must be [tokens, heads, even head_dim]");
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "rotary: each token's heads must be contiguous");
+  }
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
+              "rotary: q and k must have the same tokens, head_dim and dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * q.size(2) &&
+                  sin.numel() == cos.numel() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(),
+              "rotary: cos and sin must be [tokens, head_dim] in q's dtype");
+  tinyserve::dispatch_float_types(q, "rotary", [&](auto tag) {
     using T = decltype(tag);
-    rotary_rows<T>(x.data_ptr<T>(), x.stride(0), cos.data_ptr<T>(), sin.data_ptr<T>(), out.data_ptr<T>(), x.size(0),
-                   x.size(1), x.size(2));
+    rotary_rows<T>(q.data_ptr<T>(), q.stride(0), q.size(1), k.data_ptr<T>(), k.stride(0), k.size(1),
+                   cos.data_ptr<T>(), sin.data_ptr<T>(), q.size(0), q.size(2));
   });
-  return out;
 }
 
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
