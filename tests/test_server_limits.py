@@ -143,6 +143,24 @@ def test_admission_counts_every_sample(server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 16
 
 
+def test_n_is_capped_at_half_the_seats(server, smollm2_loaded):
+    """By default n above half of max_num_seqs (64: 32) is a 400 naming --max-n, whatever the queue, so that
+    one request cannot take every seat of the running batch; --max-n sets the cap, and n at it is served."""
+    assert server.state.engine_config.scheduler.max_num_seqs == 64
+    for path, body in ((C, {"prompt": [[1]]}), (CHAT, {"messages": USER})):
+        error = assert_400(post(server, path, {**body, "n": 33, "max_tokens": 1}), "n", "--max-n",
+                           code="too_many_samples")
+        assert "(32," in error["message"], error
+    capped = _start(smollm2_loaded, max_n=3)
+    try:
+        assert_400(post(capped, C, {"prompt": [[1]], "n": 4, "max_tokens": 1}), "n", "(3, --max-n)")
+        r = post(capped, C, {"prompt": [[1]], "n": 3, "max_tokens": 1, "temperature": 1.0, "seed": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        assert_idle_and_healthy(capped)
+    finally:
+        capped.stop()
+
+
 def test_text_that_cannot_fit_is_refused_without_tokenizing(server, monkeypatch):
     tokenizer = server.state.engine.tokenizer
     calls = []

@@ -124,6 +124,36 @@ def test_one_loaded_model_at_a_time_alternating(folders, alone):
         assert _metric(srv.base_url, 'tinyserve:model_unloads_total{model_name="qwen",reason="evicted"}') == 2
 
 
+def test_concurrent_requests_alternating_models_all_wait_for_their_load(folders, alone):
+    """--max-loaded-models 1, four clients alternating the two models: a request that saw its model's
+    load finish is admitted before another load may evict that model (ModelRegistry.ensure_loaded pins
+    it), so none gets 503 model_unloaded and every text is its model's."""
+    with _server(folders, max_loaded_models=1) as srv:
+        jobs = [("llama", "qwen")[i % 2] for i in range(24)]
+
+        async def go():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+                seats = asyncio.Semaphore(4)
+
+                async def one(name: str):
+                    async with seats:
+                        body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                "ignore_eos": True}
+                        r = await client.post("/v1/completions", json=body)
+                        return name, r.status_code, r.json()
+
+                return await asyncio.gather(*(one(name) for name in jobs))
+
+        results = asyncio.run(go())
+        assert [(name, status) for name, status, _ in results] == [(name, 200) for name in jobs], \
+            [body for _, status, body in results if status != 200][:2]
+        for name, _, body in results:
+            assert alone[name][PROMPTS[0]].startswith(body["choices"][0]["text"]), name
+        refused = [line for line in httpx.get(srv.base_url + "/metrics").text.splitlines()
+                   if line.startswith("tinyserve:request_rejected_total{") and float(line.split()[-1]) > 0]
+        assert refused == []
+
+
 def test_unload_waits_for_in_flight_requests(folders, alone):
     with _server(folders) as srv:
         async def go():

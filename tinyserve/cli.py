@@ -264,7 +264,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
         api_key=api_key_from(args), max_queue=args.max_queue,
-        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+        max_n=args.max_n, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
         stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
         max_prompts_per_request=args.max_prompts_per_request, max_messages=args.max_messages,
@@ -323,6 +323,9 @@ def _add_serve_parser(sub) -> None:
                    default=ServerConfig.max_queue, metavar="N",
                    help="waiting sequences beyond which new requests get 503 ('none': no limit); "
                         "a request of more samples (prompts x n) than this gets 400")
+    g.add_argument("--max-n", type=int, default=ServerConfig.max_n, metavar="N",
+                   help="the largest n (samples of each prompt) one request may ask for; more is a 400 "
+                        "(default: half of --max-num-seqs, so that one request cannot take every seat)")
     g.add_argument("--admission", choices=("fixed", "adaptive"), default=ServerConfig.admission,
                    help="fixed: up to --max-queue sequences wait; adaptive: the limit follows measured TTFT "
                         "to hold --target-ttft (README 'Admission')")

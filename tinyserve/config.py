@@ -395,6 +395,7 @@ class ServerConfig:
     # waiting (unscheduled) samples; beyond it new requests get 503 at once, and a request of more samples
     # (prompts x n) than this gets 400
     max_queue: int | None = 256
+    max_n: int | None = None  # a request's n beyond it gets 400; None: half of max_num_seqs
     request_timeout: float | None = None  # seconds from arrival; then the request is aborted
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM / SIGINT
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
@@ -437,6 +438,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.max_queue is not None and self.max_queue < 1:  # 0 would refuse every request (400)
             raise ValueError(f"max_queue must be >= 1 (or unset: no limit), got {self.max_queue}")
+        if self.max_n is not None and self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1 (or unset: half of max_num_seqs), got {self.max_n}")
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
             raise ValueError(f"max_loaded_models must be >= 1 (or unset: no limit), got {self.max_loaded_models}")
         names = [name for name, _ in self.models]

@@ -49,7 +49,7 @@ async def create_chat_completion(request: Request) -> Response:
                                 request.state.request_id, body.cache_salt)
         texts = loaded.token_texts if params.logprobs is not None else None
         # again, counting every sample, with no await before queueing (see completions)
-        slot.admit(params.n, loaded, body.priority)
+        slot.admit(params.n, loaded, body.priority, params.n)
         generation.start(slot.ticket(params.n))
     head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
     if body.stream:

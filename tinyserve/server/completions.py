@@ -73,7 +73,7 @@ async def start_completion(state: ServerState, body: CompletionRequest, arrival:
                                 client_request_id, body.cache_salt)
         # again, counting every sample, with no await before queueing: the awaits above let other requests in
         slot = state.registry.resolve(body.model)
-        slot.admit(len(prompts) * params.n, loaded, body.priority)
+        slot.admit(len(prompts) * params.n, loaded, body.priority, params.n)
         slot.metrics.track_api(request_id, len(prompts) * params.n, api)
         generation.start(slot.ticket(len(prompts) * params.n))
     return StartedCompletion(loaded, prompts, generation)

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tinyserve.engine.stats import EngineStats, LoopStats, SpecDecodeStats
-from tinyserve.types import RequestOutput
+from tinyserve.types import FinishReason, RequestOutput
 
 if TYPE_CHECKING:  # server/memory_stats.py imports the model slots, which import this module
     from tinyserve.server.memory_stats import MemorySnapshot
@@ -35,6 +35,13 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 1
 _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 MAX_TOKEN_BUCKET = 1 << 17  # the token histograms' ladder ends at the first rung above this
 APIS = ("http", "grpc")
+# every reason a refusal is counted under (ServerMetrics.rejected: the error codes of server/state.py's and
+# server/model_slot.py's admission), and the models' lifecycle labels: each series is exported at 0 from
+# start-up, so a dashboard or an alert rule over it reads 0, not "no data", on a fresh server
+REJECT_REASONS = ("overloaded", "too_many_samples", "loading", "model_unloaded", "model_failed", "engine_dead",
+                  "shutting_down")
+LOAD_OUTCOMES = ("ok", "failed")
+UNLOAD_REASONS = ("admin", "evicted", "idle", "swap")
 API: ContextVar[str] = ContextVar("tinyserve_api", default="http")  # the api of the request this task serves
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.025, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
@@ -225,6 +232,18 @@ class ServerMetrics:
                                    max_model_len or MAX_TOKEN_BUCKET)
         self.metric_set, self.registry, self.model_name = metric_set, metric_set.registry, model_name
         self.series = {api: _RequestSeries(metric_set, model_name, api) for api in APIS}
+        for api in APIS:
+            for finish_reason in FinishReason:
+                metric_set.success.labels(model_name, api, finish_reason.value)
+            for reason in REJECT_REASONS:
+                metric_set.rejected.labels(model_name, api, reason)
+        for outcome in LOAD_OUTCOMES:
+            metric_set.loads.labels(model_name, outcome)
+            metric_set.swaps.labels(model_name, outcome)
+        for reason in UNLOAD_REASONS:
+            metric_set.unloads.labels(model_name, reason)
+        metric_set.load_seconds.labels(model_name)
+        metric_set.swap_seconds.labels(model_name)
         self.prompt_tokens = metric_set.prompt_tokens.labels(model_name)
         self.generation_tokens = metric_set.generation_tokens.labels(model_name)
         # (request id, prompt index, sample index) -> when its last token came; engine thread only

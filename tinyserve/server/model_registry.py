@@ -125,8 +125,13 @@ class ModelRegistry:
 
     async def ensure_loaded(self, slot: ModelSlot, timeout: float | None) -> LoadedModel:
         """Load `slot` if it is unloaded (a failed one stays failed until the admin API loads it) and
-        wait up to `timeout` for it; then admission as ModelSlot.admit."""
-        if slot.current is None and slot.phase in ("unloaded", "loading"):
+        wait up to `timeout` for it; then admission as ModelSlot.admit. The request pins the slot while it
+        waits: a load that finishes cannot be evicted (`_make_room`) before its waiters are admitted, and
+        once admitted they count as in flight, so an eviction drains them."""
+        if slot.current is not None or slot.phase not in ("unloaded", "loading"):
+            return slot.admit()  # no await between the check and the admission
+        slot.num_pinned += 1
+        try:
             task = self._loads.get(slot.name)
             if task is None:
                 task = self._loads[slot.name] = asyncio.ensure_future(self._load_once(slot))
@@ -140,7 +145,9 @@ class ModelRegistry:
                 raise
             except Exception:  # noqa: BLE001 - the slot is failed and admit says why
                 pass
-        return slot.admit()
+            return slot.admit()
+        finally:
+            slot.num_pinned -= 1
 
     async def _load_once(self, slot: ModelSlot) -> None:
         async with self.lock:
@@ -192,7 +199,11 @@ class ModelRegistry:
             over_budget = footprint is not None and used + footprint > self.config.memory_budget_gib * GIB
             if not loaded or not (over_count or over_budget):
                 return
-            victim = min(loaded, key=lambda s: (s.num_in_flight > 0, s.last_used))
+            evictable = [s for s in loaded if not s.num_pinned]
+            if not evictable:  # each has requests that saw its load finish and are being admitted now
+                await asyncio.sleep(0.005)
+                continue
+            victim = min(evictable, key=lambda s: (s.num_in_flight > 0, s.last_used))
             logger.info("model %s: evicted (least recently used) to load %s", victim.name, slot.name)
             await victim.unload("evicted")
 

@@ -82,6 +82,7 @@ class ModelSlot:
         self.error: str | None = None  # why the last load failed, as /v1/models and the admin API say
         self.last_used = time.monotonic()
         self.load_seconds: float | None = None
+        self.num_pinned = 0  # requests waiting for this slot's load (ModelRegistry.ensure_loaded): not evictable
         self._engine_factory = engine_factory
         self._draining: list[LoadedModel] = []  # swapped out, finishing their requests
         self.admission = (AdaptiveAdmission(config.target_ttft, config.max_queue, metrics.set_admission_limit)
@@ -108,14 +109,20 @@ class ModelSlot:
             raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
         return loaded
 
-    def admit(self, num_samples: int = 1, loaded: LoadedModel | None = None, priority: int | None = None) -> LoadedModel:
+    def admit(self, num_samples: int = 1, loaded: LoadedModel | None = None, priority: int | None = None,
+              n: int = 1) -> LoadedModel:
         """The LoadedModel new work goes to (or `loaded`, the one a request was admitted to before: its
         queue is checked again once the request's samples and `priority` are known); 503 when its queue is
         full, 400 when the request alone exceeds it (see ServerState.admit). With adaptive admission, a
         request whose priority is known must also find a seat now, or a running request of a worse priority
         to preempt: a wait for a seat lasts until running requests finish, which no TTFT seen so far
-        foretells (docs/PERFORMANCE.md, "Admission under overload")."""
+        foretells (docs/PERFORMANCE.md, "Admission under overload"). A request's `n` is capped by max_n (by
+        default half the running batch's seats), so that one request cannot take every seat."""
         try:
+            max_n = self.config.max_n or max(1, self.engine_config.scheduler.max_num_seqs // 2)
+            if n > max_n:
+                raise BadRequest(f"n: the request asks for {n} samples of each prompt, more than this server "
+                                 f"gives one request ({max_n}, --max-n)", param="n", code="too_many_samples")
             if loaded is None:
                 loaded = self.check_ready()
             elif not loaded.engine.is_alive:
