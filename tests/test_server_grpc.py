@@ -175,6 +175,15 @@ def test_unknown_model_unknown_field_and_api_key(server, stub):
                                        response_deserializer=pb.GenerateResponse.FromString)
         unknown = _rpc_error(lambda: generate(raw, metadata=AUTH, timeout=60))
     assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT and unknown.details().startswith("field 99: unknown")
+    # bytes that are no GenerateRequest (a truncated string, bad UTF-8): INVALID_ARGUMENT, not grpcio's UNKNOWN
+    for garbage in (b"\x12\x05Hel", b"\x0a\x02\xc3\x28\x12\x01x", b"\xff" * 16):
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            generate = channel.unary_unary("/tinyserve.v1.TinyServe/Generate",
+                                           response_deserializer=pb.GenerateResponse.FromString)
+            broken = _rpc_error(lambda: generate(garbage, metadata=AUTH, timeout=60))
+        assert broken.code() == grpc.StatusCode.INVALID_ARGUMENT, (garbage, broken.details())
+        assert broken.details().startswith("the request is not a valid GenerateRequest: Error parsing message")
+        assert dict(broken.trailing_metadata())["tinyserve-error-code"] == "invalid_message"
     for metadata in ((), (("authorization", "Bearer wrong"),)):
         refused = _rpc_error(lambda: stub.ListModels(pb.ListModelsRequest(), metadata=metadata))
         assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in refused.details()

@@ -18,8 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from tinyserve.server.grpc_service import SERVICE_NAME, TinyServeService
-from tinyserve.server.proto import tinyserve_pb2_grpc
+from tinyserve.server.grpc_service import SERVICE_NAME, TinyServeService, add_service
 from tinyserve.server.state import ServerState
 
 HEALTH_POLL_S = 0.5
@@ -59,7 +58,7 @@ class GrpcServer:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", config.max_body_bytes)],
                                  maximum_concurrent_rpcs=config.max_connections)
-        tinyserve_pb2_grpc.add_TinyServeServicer_to_server(TinyServeService(self.state), server)
+        add_service(TinyServeService(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -22,7 +22,7 @@ import uuid
 
 import grpc
 from google.protobuf import unknown_fields
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from pydantic import ValidationError
 
 from tinyserve.engine.async_engine import EngineDeadError
@@ -105,6 +105,36 @@ def completion_body(request: pb.GenerateRequest, state: ServerState, stream: boo
     return body
 
 
+class Undecodable:
+    """What a request's bytes decode to when they are no message of its type (the handler answers
+    INVALID_ARGUMENT): grpcio itself would answer UNKNOWN with the parser's exception and log a traceback."""
+
+    def __init__(self, message_name: str, reason: str):
+        self.message_name, self.reason = message_name, reason
+
+
+def _decoder(message_class: type[Message]):
+    def decode(raw: bytes) -> Message | Undecodable:
+        try:
+            return message_class.FromString(raw)
+        except DecodeError as exc:
+            return Undecodable(message_class.DESCRIPTOR.name, str(exc)[:200])
+
+    return decode
+
+
+def add_service(service: TinyServeService, server: grpc.aio.Server) -> None:
+    """tinyserve_pb2_grpc.add_TinyServeServicer_to_server, with requests decoded by `_decoder`."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TinyServe"].methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(service, method.name),
+                                     request_deserializer=_decoder(getattr(pb, method.input_type.name)),
+                                     response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def _grpc_handler(handler):
     """Each RPC: its metrics under api="grpc", the API key checked, an APIError answered as its status."""
     @functools.wraps(handler)
@@ -112,6 +142,9 @@ def _grpc_handler(handler):
         API.set("grpc")  # this task serves one gRPC call: admission's refusals count under grpc
         try:
             self.check_api_key(context)
+            if isinstance(request, Undecodable):
+                raise BadRequest(f"the request is not a valid {request.message_name}: {request.reason}",
+                                 code="invalid_message")
             return await handler(self, request, context)
         except APIError as exc:
             await context.abort(status_code(exc), exc.message, trailing_metadata=error_metadata(exc))
