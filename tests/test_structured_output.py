@@ -174,3 +174,18 @@ def test_cache_entries_cost_the_heap_their_compile_kept(smollm2_loaded):
     assert outputs._compiled.cost(DATE) < outputs._compiled.cost(large)
     assert outputs._compiled.cost(large) > (2 << 20)
     assert outputs._compiled.total_bytes == outputs._compiled.cost(DATE) + outputs._compiled.cost(large)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("choice", json.dumps(["yes", "<|endoftext|>"])),
+    StructuredOutput("regex", r"a<\|im_end\|>"),
+    StructuredOutput("grammar", 'root ::= "<|im_start|>"'),
+    StructuredOutput("json_schema", json.dumps({"const": "\u003c|endoftext|>"})),
+])
+def test_a_spec_that_spells_a_special_token_is_refused_at_compile(smollm2_loaded, spec):
+    """llguidance's mask allowed only the special token where the grammar spells its text, then refused
+    that token when consumed: the request failed mid-output, a 500 (found by the fuzz of issue 44)."""
+    outputs = _engine(smollm2_loaded).structured_outputs
+    with pytest.raises(InvalidRequest, match="spells the special token '<|") as caught:
+        outputs.compile(spec)
+    assert caught.value.code == "invalid_grammar" and spec not in outputs._compiled

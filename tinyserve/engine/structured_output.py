@@ -16,6 +16,7 @@ whole budget with them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,9 +69,23 @@ class StructuredOutputs:
         """Compile and cache the spec, or raise InvalidRequest (param "structured_output") saying why: a
         spec over a budget (engine/grammar_budget.py), one llguidance refuses, or one whose first mask
         fails (so the refusal comes before the request is queued, and the same every time)."""
+        if self._compiled.get(spec) is not None:  # checked when it was compiled (the engine checks again)
+            return
         check_budget(spec)  # first: what follows parses the spec with Python's recursive parser
         self._refuse_unwritable(spec)
+        self._refuse_special_text(spec)
         self._pristine(spec)
+
+    def _refuse_special_text(self, spec: StructuredOutput) -> None:
+        """InvalidRequest when the spec spells a special token's text ("<|endoftext|>"). NOTE: llguidance
+        then allows only the special token itself at that point, and refuses it when it is consumed, so
+        the request failed mid-output (found by the fuzz of issue 44). A regex's escapes are read through."""
+        text = _spelled_text(spec)
+        spelled = sorted(special for special in self._tokenizer.special_texts if special in text)
+        if spelled:
+            raise InvalidRequest(f"the {_NAMES[spec.kind]} spells the special token {clip(spelled[0])!r}, which "
+                                 "constrained output cannot write as text", param="structured_output",
+                                 code="invalid_grammar")
 
     def _refuse_unwritable(self, spec: StructuredOutput) -> None:
         """InvalidRequest when the spec names a character this vocabulary cannot write. SmolLM2's has no
@@ -161,6 +176,16 @@ def _compile(lltokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> tup
 def _cannot_compile(spec: StructuredOutput, error: str) -> InvalidRequest:
     return InvalidRequest(f"the {_NAMES[spec.kind]} cannot be compiled: {clip(error.strip())}",
                           param="structured_output", code="invalid_grammar")
+
+
+def _spelled_text(spec: StructuredOutput) -> str:
+    """The spec's text as its outputs could spell it: JSON's escapes decoded, a regex's escapes dropped."""
+    if spec.kind in ("json_schema", "choice"):
+        try:
+            return json.dumps(json.loads(spec.spec), ensure_ascii=False)
+        except ValueError:
+            return spec.spec
+    return re.sub(r"\\(.)", r"\1", spec.spec) if spec.kind == "regex" else spec.spec
 
 
 _NAMES = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
