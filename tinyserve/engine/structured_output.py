@@ -3,9 +3,11 @@
 The grammar library is llguidance (docs/PERFORMANCE.md, "Choosing the grammar library"): it turns a JSON
 schema, a regex, a choice list or a GBNF / Lark grammar into a matcher that follows a sequence's tokens
 and, before each draw, gives the set of tokens allowed next as a bitmask (one bit per vocabulary entry).
-What is ours: the compile cache, where the matchers live (one per sequence, `Request.matcher`), when the
-masks are computed (on a worker thread while the forward pass runs: a sequence's mask depends only on the
-tokens it already has), and applying them to the logits (engine/sampler.py, layers/ops.py).
+What is ours: the budgets a spec meets before llguidance sees it (engine/grammar_budget.py), the compile
+on a large-stack thread with its first mask, the compile cache (engine/grammar_cache.py), where the
+matchers live (one per sequence, `Request.matcher`), when the masks are computed (on a worker thread while
+the forward pass runs: a sequence's mask depends only on the tokens it already has), and applying them to
+the logits (engine/sampler.py, layers/ops.py).
 
 JSON is generated in the layout `json.dumps` writes (", " and ": ", no other whitespace), and an object
 schema that lists `properties` but says nothing of `additionalProperties` admits no others (as vLLM's
