@@ -107,6 +107,18 @@ def test_a_large_bodys_lists_are_counted_before_it_is_parsed(server, monkeypatch
     assert_idle_and_healthy(server)
 
 
+@pytest.mark.parametrize("size", [1 << 10, 70 << 10])
+def test_a_body_nested_past_the_parsers_depth_is_a_400_at_any_size(server, size):
+    """Issue 44: from 64 KiB (intake's parse-first size) the counting pass raised RecursionError: a 500."""
+    nested = b"[" * (size // 2) + b"]" * (size // 2)
+    for path, field in ((C, b"prompt"), (CHAT, b"messages")):
+        r = httpx.post(server.base_url + path, content=b'{"' + field + b'": ' + nested + b"}", timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text[:300]
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert_idle_and_healthy(server)
+
+
 @pytest.mark.parametrize("priority,status", [(MAX_PRIORITY, 200), (-MAX_PRIORITY, 200), (MAX_PRIORITY + 1, 400),
                                              (-MAX_PRIORITY - 1, 400), (-10**18, 400)])
 def test_priority_bounds(server, priority, status):

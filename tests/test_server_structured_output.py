@@ -5,6 +5,7 @@ constrained and unconstrained requests in one batch; compile errors as 400s nami
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -248,3 +249,63 @@ def test_bad_structured_output_is_a_400_naming_the_field(server, fields, param):
     error = response.json()["error"]
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error"
+
+
+# issue 44: grammar budgets, first-mask failures and what the errors echo
+
+def _ref_chain(depth: int) -> dict:
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _lark_chain(depth: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(depth)) + f'r{depth}: "x"\n'
+
+
+def _assert_alive(server) -> None:
+    response = httpx.post(server.base_url + CHAT, json=_chat("Say hi", max_tokens=3), timeout=60)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("fields, param, limit", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _ref_chain(2000)}}},
+     "response_format", "MAX_REF_HOPS"),
+    ({"structured_outputs": {"grammar": _lark_chain(3000)}}, "structured_outputs.grammar", "MAX_RULES"),
+    ({"structured_outputs": {"grammar": _lark_chain(1000)}}, "structured_outputs.grammar", "MAX_NESTING_DEPTH"),
+])
+def test_a_grammar_deep_enough_to_crash_the_compile_is_a_quick_400_and_the_server_lives(server, fields, param, limit):
+    """Issue 44: these overflowed the compiling thread's stack and the SIGSEGV took the server down."""
+    _assert_alive(server)  # and warm: the first chat request of a server pays one-time costs
+    start = time.perf_counter()
+    response = httpx.post(server.base_url + CHAT, json=_chat("hi", **fields), timeout=60)
+    assert time.perf_counter() - start < 1.0
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("invalid_grammar", param, "invalid_request_error")
+    assert f"({limit})" in error["message"]
+    _assert_alive(server)
+
+
+@pytest.mark.parametrize("fields, limit", [
+    ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "MAX_REGEX_EXPANSION"),
+    ({"structured_outputs": {"choice": [f"w{i}" for i in range(10_000)]}}, "MAX_ALTERNATIVES"),
+])
+def test_grammars_that_failed_at_a_later_token_are_400s_every_time(server, fields, limit):
+    """Issue 44: a 500 engine_error, and the same request sent again a 200."""
+    for _ in range(2):
+        response = httpx.post(server.base_url + CHAT, json=_chat("hi", max_tokens=4, **fields), timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "invalid_grammar" and f"({limit})" in error["message"], error
+    _assert_alive(server)
+
+
+def test_a_bad_long_regex_is_echoed_at_most_256_characters(server):
+    """Issue 44 (Low): the 400 for a bad 24 KB regex carried all of it."""
+    regex = "(" + "a" * 24_000  # unclosed
+    response = httpx.post(server.base_url + CHAT, json=_chat("hi", guided_regex=regex), timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_grammar" and error["param"] == "guided_regex"
+    assert "a" * 257 not in error["message"] and len(response.content) < 1024, len(response.content)

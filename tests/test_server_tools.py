@@ -4,6 +4,7 @@ follow-up turn carries the call and its result to the model; the parser and the 
 texts; bad tool fields are 400s naming them."""
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -180,3 +181,40 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(word_t
         {"role": "tool", "tool_call_id": "c1", "content": "21"}]]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=PLAN.template_kwargs()["tools"])
     assert prompt == "T:get_weather user:hi assistant:C:get_weather=Oslo  tool:21R:c1 "
+
+
+# issue 44: a forced call's grammar within the grammar budgets
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _ref_chain(depth: int) -> dict:
+    """A $ref chain `depth` long; the parameters sit under the call schema's `arguments`, so its pointers
+    go through there (they resolve, and the old server's compile overflowed its stack on them)."""
+    at = "#/properties/arguments/$defs"
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"{at}/d{i + 1}"}} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"type": "object", "properties": {"x": {"$ref": f"{at}/d0"}}, "$defs": defs}
+
+
+@pytest.mark.parametrize("tools, limit", [
+    ([_tool("deep", _ref_chain(2000))], "MAX_REF_HOPS"),  # overflowed the compile's stack: SIGSEGV
+    ([_tool(f"f{i}", {"type": "object", "properties": {"x": {"type": "integer"}}}) for i in range(3000)],
+     "characters"),  # a 500: the grammar's size cap raised past the handler
+])
+def test_a_forced_call_over_the_grammar_budget_is_a_quick_400_and_the_server_lives(server, tools, limit):
+    _assert_alive(server)  # and warm: the first chat request of a server pays one-time costs
+    start = time.perf_counter()
+    body = {"messages": QUESTION, "max_tokens": 5, "tools": tools, "tool_choice": "required"}
+    response = httpx.post(server.base_url + CHAT, json=body, timeout=60)
+    assert time.perf_counter() - start < 1.0
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_grammar", "tools") and limit in error["message"], error
+    _assert_alive(server)
+
+
+def _assert_alive(server) -> None:
+    response = httpx.post(server.base_url + CHAT, json={"messages": QUESTION, "max_tokens": 3}, timeout=60)
+    assert response.status_code == 200, response.text

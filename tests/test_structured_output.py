@@ -4,11 +4,13 @@ cached, n > 1 and preemption keep every sample in the language, a finished langu
 without waiting for EOS, and everything a constrained request held is released."""
 
 import json
+import time
 
 import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.engine import structured_output
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.engine.structured_output import closed_objects
 from tinyserve.types import FinishReason, InvalidRequest, SamplingParams, StructuredOutput
@@ -51,9 +53,9 @@ def test_mask_allows_exactly_the_grammars_next_tokens(smollm2_loaded):
 def test_a_grammar_is_compiled_once_and_bad_ones_name_their_kind(smollm2_loaded):
     outputs = _engine(smollm2_loaded).structured_outputs
     outputs.compile(DATE)
-    pristine = outputs._compiled[DATE]
+    pristine = outputs._compiled.get(DATE)
     outputs.compile(StructuredOutput("regex", DATE.spec))  # equal spec: the cached entry
-    assert outputs._compiled[DATE] is pristine and len(outputs._compiled) == 1
+    assert outputs._compiled.get(DATE) is pristine and len(outputs._compiled) == 1
     with pytest.raises(InvalidRequest, match="the regex cannot be compiled") as caught:
         outputs.compile(StructuredOutput("regex", "(unclosed"))
     assert caught.value.param == "structured_output" and caught.value.code == "invalid_grammar"
@@ -130,3 +132,60 @@ def test_a_complete_language_stops_without_eos_and_constrained_rows_share_a_batc
     alone = _engine(smollm2_loaded)
     alone.add_request("u", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert _run(alone)[("u", 0)][1] == results[("u", 0)][1]
+
+
+def _ref_chain(depth: int) -> str:
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer"}
+    return json.dumps({"$ref": "#/$defs/d0", "$defs": defs})
+
+
+def test_a_spec_deep_enough_to_overflow_the_compile_stack_is_refused_before_llguidance(smollm2_loaded):
+    """Issue 44: a 2,000-deep $ref chain overflowed the compiling thread's stack (SIGSEGV); depth 1,000 did not."""
+    outputs = _engine(smollm2_loaded).structured_outputs
+    spec = StructuredOutput("json_schema", _ref_chain(2000))
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequest, match=r"\(MAX_REF_HOPS\)") as caught:
+        outputs.compile(spec)
+    assert time.perf_counter() - start < 1.0 and caught.value.code == "invalid_grammar"
+    assert spec not in outputs._compiled
+    outputs.compile(StructuredOutput("json_schema", _ref_chain(50)))  # a chain within the budget compiles
+
+
+def test_a_grammar_whose_first_mask_fails_is_refused_at_compile_every_time(smollm2_loaded, monkeypatch):
+    """Issue 44: `(a{1000}){1000}` compiled, its first mask exhausted the shared lexer, and the request was a
+    500 while the same one sent again was a 200. With the budget out of the way, the compile's probes of
+    the first mask refuse it, the same way twice, and the message leaves out the grammar."""
+    monkeypatch.setattr(structured_output, "check_budget", lambda spec: None)
+    outputs = _engine(smollm2_loaded).structured_outputs
+    spec = StructuredOutput("regex", "(a{1000}){1000}")
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="the regex cannot be compiled: lexer error") as caught:
+            outputs.compile(spec)
+        assert caught.value.code == "invalid_grammar" and len(caught.value.message) < 300
+        assert spec not in outputs._compiled
+
+
+def test_cache_entries_cost_the_heap_their_compile_kept(smollm2_loaded):
+    outputs = _engine(smollm2_loaded).structured_outputs
+    large = StructuredOutput("regex", "(a{100}){200}")  # within the budget; its lexer holds megabytes
+    outputs.compile(DATE)
+    outputs.compile(large)
+    assert outputs._compiled.cost(DATE) < outputs._compiled.cost(large)
+    assert outputs._compiled.cost(large) > (2 << 20)
+    assert outputs._compiled.total_bytes == outputs._compiled.cost(DATE) + outputs._compiled.cost(large)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("choice", json.dumps(["yes", "<|endoftext|>"])),
+    StructuredOutput("regex", r"a<\|im_end\|>"),
+    StructuredOutput("grammar", 'root ::= "<|im_start|>"'),
+    StructuredOutput("json_schema", json.dumps({"const": "\u003c|endoftext|>"})),
+])
+def test_a_spec_that_spells_a_special_token_is_refused_at_compile(smollm2_loaded, spec):
+    """llguidance's mask allowed only the special token where the grammar spells its text, then refused
+    that token when consumed: the request failed mid-output, a 500 (found by the fuzz of issue 44)."""
+    outputs = _engine(smollm2_loaded).structured_outputs
+    with pytest.raises(InvalidRequest, match="spells the special token '<|") as caught:
+        outputs.compile(spec)
+    assert caught.value.code == "invalid_grammar" and spec not in outputs._compiled

@@ -13,6 +13,10 @@ fields named in `SEMANTIC` get values that aim at their meaning (token ids aroun
 stop lists around their caps); any other field, including one added later, gets values derived from its
 annotation, so no field goes unfuzzed. Bodies are drawn by hypothesis with `derandomize=True`, so a run
 is reproducible, and sent 16 at a time.
+
+A second pass (issue 44) sends structured-output specs and tool lists drawn around the grammar budgets
+(deep `$ref` chains, long rule chains, nested groups, large repetitions, long choice lists, many tools),
+and each shape at each edge of its budget, to the same bar: a constrained reply is a 200 or a 400.
 """
 
 from __future__ import annotations
@@ -116,7 +120,9 @@ def asked_for_deadline(case: "Case") -> bool:
 
 
 def allowed_finish_reasons(case: "Case") -> set[str]:
-    return {"stop", "length", "timeout"} if asked_for_deadline(case) else {"stop", "length"}
+    reasons = {"stop", "length", "timeout"} if asked_for_deadline(case) else {"stop", "length"}
+    has_tools = isinstance(case.body, dict) and case.body.get("tools")
+    return reasons | {"tool_calls"} if has_tools else reasons
 
 
 def _from_annotation(annotation) -> st.SearchStrategy:
@@ -355,6 +361,11 @@ def wait_idle(server, timeout: float = 15.0) -> None:
 def run_fuzz(server, num_structured: int, num_raw: int, min_total: int) -> None:
     cases = fuzz_cases(num_structured, num_raw)
     assert len(cases) >= min_total
+    run_cases(server, cases)
+
+
+def run_cases(server, cases: list[Case]) -> None:
+    """Send the cases 16 at a time and hold every reply and the server after them to the bar above."""
     start = time.perf_counter()
     replies = asyncio.run(send_all(server.base_url, cases))
     elapsed = time.perf_counter() - start
@@ -387,3 +398,105 @@ def test_fuzz_smoke(live_tiny_server):
 @pytest.mark.reliability
 def test_fuzz_5000_bodies(live_tiny_server):
     run_fuzz(live_tiny_server, num_structured=2300, num_raw=250, min_total=5000)
+
+
+# structured output and tools (issue 44): specs around the grammar budgets (engine/grammar_budget.py), the
+# shapes that crashed the server (deep $ref chains, long rule chains) and the ones that failed at a later
+# token (large repetitions, long choice lists), mixed with ordinary ones; the bar is the same as above
+
+def ref_chain(depth: int, at: str = "#/$defs") -> dict:
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"{at}/d{i + 1}"}, "maxItems": 2} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"$ref": f"{at}/d0", "$defs": defs}
+
+
+def lark_chain(depth: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(depth)) + f'r{depth}: "x"\n'
+
+
+BUDGET_EDGES = [1, 2, 50, 98, 99, 100, 101, 398, 399, 400, 401, 1000, 2000, 3000]
+leaf_schemas = st.sampled_from([{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 6},
+                                {"type": "boolean"}, {"enum": ["a", "b"]}, {}, {"type": "bogus"}, {"const": "x"}])
+schemas = st.one_of(
+    st.recursive(leaf_schemas, lambda inner: st.one_of(
+        inner.map(lambda s: {"type": "array", "items": s, "maxItems": 2}),
+        st.dictionaries(st.sampled_from("abc"), inner, min_size=1, max_size=3).map(
+            lambda p: {"type": "object", "properties": p, "required": sorted(p)}),
+        st.lists(inner, min_size=1, max_size=3).map(lambda l: {"anyOf": l})), max_leaves=6),
+    st.sampled_from(BUDGET_EDGES).map(ref_chain),
+    st.sampled_from([999, 1000, 1001, 3000]).map(lambda n: {"enum": list(range(n))}),
+    st.sampled_from([60, 63, 64, 65, 200]).map(lambda n: json.loads('{"type": "array", "items": ' * n + "{}" + "}" * n)),
+)
+regex_pieces = ["a", "b", "[0-9]", "\\d", "(", ")", "|", "*", "+", "?", "{2}", "{1,3}", "{100}", "{1000}", "[", "]",
+                "\\", "\\p{L}", "(a{1000}){1000}", "(a{100}){200}", "x" * 300]
+regexes = st.one_of(st.lists(st.sampled_from(regex_pieces), min_size=1, max_size=10).map("".join),
+                    st.sampled_from(BUDGET_EDGES).map(lambda n: "(" * n + "a" + ")" * n))
+choices = st.one_of(st.lists(texts, max_size=4), st.sampled_from([999, 1000, 1001, 10_000]).map(
+    lambda n: [f"w{i}" for i in range(n)]), wrong_type)
+grammars = st.one_of(st.sampled_from(BUDGET_EDGES).map(lark_chain), st.sampled_from([
+    'root ::= "yes" | "no"', 'start: "a"+', 'start: /[0-9]{1,3}/', "start: /(a{1000}){1000}/", "root ::= undefined",
+    'start: %json {"type": "integer"}', "start: " + " | ".join(f'"w{i}"' for i in range(1001))]),
+    st.sampled_from(BUDGET_EDGES).map(lambda n: "start: " + "(" * n + '"x"' + ")" * n), texts)
+structured_fields = st.one_of(
+    st.fixed_dictionaries({"structured_outputs": st.one_of(
+        schemas.map(lambda s: {"json": s}), regexes.map(lambda r: {"regex": r}), choices.map(lambda c: {"choice": c}),
+        grammars.map(lambda g: {"grammar": g}), st.just({"json_object": True}))}),
+    st.fixed_dictionaries({"response_format": schemas.map(
+        lambda s: {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": s}})}),
+    st.fixed_dictionaries({"guided_regex": regexes}), st.fixed_dictionaries({"guided_choice": choices}),
+    st.fixed_dictionaries({"guided_json": schemas}), st.fixed_dictionaries({"guided_grammar": grammars}),
+)
+
+
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def tool_ref_chain(depth: int) -> dict:
+    """Parameters holding a $ref chain; they sit under the call schema's `arguments`, so pointers go there."""
+    chain = ref_chain(depth, "#/properties/arguments/$defs")
+    return {"type": "object", "properties": {"x": {"$ref": chain["$ref"]}}, "$defs": chain["$defs"]}
+
+
+tool_parameters = st.one_of(schemas.map(lambda s: {"type": "object", "properties": {"x": s}}),
+                            st.sampled_from(BUDGET_EDGES).map(tool_ref_chain))
+tool_lists = st.one_of(
+    st.lists(tool_parameters, min_size=1, max_size=3).map(lambda ps: [tool(f"f{i}", p) for i, p in enumerate(ps)]),
+    st.sampled_from([1, 127, 128, 500, 3000]).map(lambda n: [tool(f"f{i}", {"type": "object", "properties": {
+        "x": {"type": "integer"}}}) for i in range(n)]))
+tool_fields = st.fixed_dictionaries({
+    "tools": tool_lists,
+    "tool_choice": st.sampled_from(["required", "auto", "none", {"type": "function", "function": {"name": "f0"}},
+                                    {"type": "function", "function": {"name": "missing"}}]),
+    "parallel_tool_calls": st.booleans()})
+
+
+def grammar_cases(count: int) -> list[Case]:
+    """`count` chat bodies with a structured output or tools, and `count` completions with a structured output."""
+    chat = st.tuples(CHAT_BASE, st.one_of(structured_fields, tool_fields)).map(lambda parts: {**parts[0], **parts[1]})
+    completion = st.tuples(COMPLETION_BASE, structured_fields).map(lambda parts: {**parts[0], **parts[1]})
+    cases = [Case(CHAT, json.dumps(b).encode(), body=b) for b in draw_all(chat, count)]
+    cases += [Case(COMPLETIONS, json.dumps(b).encode(), body=b) for b in draw_all(completion, count)]
+    cases.sort(key=lambda c: zlib.crc32(c.content))
+    return cases
+
+
+def budget_edge_cases() -> list[Case]:
+    """Each shape at each edge of its budget, sent as well as the drawn ones (hypothesis favours small values)."""
+    bodies = []
+    for n in BUDGET_EDGES:
+        bodies += [{"response_format": {"type": "json_schema", "json_schema": {"name": "edge", "schema": ref_chain(n)}}},
+                   {"structured_outputs": {"grammar": lark_chain(n)}},
+                   {"guided_regex": "(" * n + "a" + ")" * n},
+                   {"tools": [tool("f0", tool_ref_chain(n))], "tool_choice": "required"}]
+    bodies += [{"guided_choice": [f"w{i}" for i in range(n)]} for n in (999, 1000, 1001, 10_000)]
+    bodies += [{"tools": [tool(f"f{i}", {"type": "object"}) for i in range(n)], "tool_choice": "required"}
+               for n in (128, 500, 3000)]
+    base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return [Case(CHAT, json.dumps({**base, **b}).encode(), body={**base, **b}) for b in bodies]
+
+
+@pytest.mark.reliability
+def test_fuzz_structured_output_and_tools(live_tiny_server):
+    """Grammar specs and tool lists around every budget: 200 or 400, never a 500 or a dead server."""
+    run_cases(live_tiny_server, grammar_cases(200) + budget_edge_cases())

@@ -40,6 +40,7 @@ from tinyserve.engine.request import Request, RequestGroup, SchedulerOutput
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.speculative import NgramProposer
 from tinyserve.engine.stats import EngineStats
+from tinyserve.engine.grammar_budget import clip
 from tinyserve.engine.structured_output import StructuredOutputs
 from tinyserve.layers.kv_cache import KVLayout, layer_caches
 from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
@@ -323,7 +324,7 @@ class LLMEngine:
         mask) fails it."""
         if not request.matcher.consume_token(request.output_token_ids[-1]):
             logger.error("%s: the grammar refused token %d: %s", request, request.output_token_ids[-1],
-                         request.matcher.get_error())
+                         clip(request.matcher.get_error()))
             return FinishReason.ERROR
         if reason is None and request.matcher.is_stopped():
             return FinishReason.STOP

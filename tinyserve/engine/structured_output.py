@@ -3,9 +3,11 @@
 The grammar library is llguidance (docs/PERFORMANCE.md, "Choosing the grammar library"): it turns a JSON
 schema, a regex, a choice list or a GBNF / Lark grammar into a matcher that follows a sequence's tokens
 and, before each draw, gives the set of tokens allowed next as a bitmask (one bit per vocabulary entry).
-What is ours: the compile cache, where the matchers live (one per sequence, `Request.matcher`), when the
-masks are computed (on a worker thread while the forward pass runs: a sequence's mask depends only on the
-tokens it already has), and applying them to the logits (engine/sampler.py, layers/ops.py).
+What is ours: the budgets a spec meets before llguidance sees it (engine/grammar_budget.py), the compile
+on a large-stack thread with its first mask, the compile cache (engine/grammar_cache.py), where the
+matchers live (one per sequence, `Request.matcher`), when the masks are computed (on a worker thread while
+the forward pass runs: a sequence's mask depends only on the tokens it already has), and applying them to
+the logits (engine/sampler.py, layers/ops.py).
 
 JSON is generated in the layout `json.dumps` writes (", " and ": ", no other whitespace), and an object
 schema that lists `properties` but says nothing of `additionalProperties` admits no others (as vLLM's
@@ -16,24 +18,35 @@ whole budget with them.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import llguidance
 import torch
 
+from tinyserve.engine.big_stack_worker import BigStackWorker
+from tinyserve.engine.grammar_budget import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, check_budget, clip
+from tinyserve.engine.grammar_cache import GrammarCache
+from tinyserve.engine.host_heap import heap_bytes_in_use
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.types import InvalidRequest, StructuredOutput
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# llguidance's own defaults, but for the per-step lexer fuel, halved: one sequence's mask must not take a
-# step hostage (a grammar that needs more is refused when it is compiled or fails its request).
-PARSER_LIMITS = llguidance.LLParserLimits(step_lexer_fuel=100_000)
-# compiled grammars kept, least recently used dropped first; their texts are capped (types.py), so this
-# bounds the cache's memory
+# llguidance's own limits (its defaults in brackets): the per-step lexer fuel halved (200k), so one
+# sequence's mask cannot take a step hostage; the fuel for a lexer's first regexes (1M) a fifth, so that
+# a regex of large repetitions fails its compile in ~0.2 s rather than 2 s; lexer states (250k, 1-2 kB
+# each) a fifth, to bound what one grammar can hold; errors without the grammar and parser state in them
+# (they reach logs and 400 bodies). Rows of over 2,000 items still fail (grammar_budget keeps choices and
+# rules to half that).
+PARSER_LIMITS = llguidance.LLParserLimits(step_lexer_fuel=100_000, initial_lexer_fuel=200_000,
+                                          max_lexer_states=50_000, verbose_errors=False)
+# compiled grammars kept, least recently used dropped first, by count and by the heap each compile kept
 CACHE_ENTRIES = 256
+CACHE_BYTES = 256 << 20
+MIN_ENTRY_BYTES = 64 << 10  # what an entry is taken to cost at least (the heap reading is noisy)
+# compiles run here: llguidance recurses, and an overflow of a thread's stack kills the process
+COMPILE_WORKER = BigStackWorker()
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -50,15 +63,31 @@ class StructuredOutputs:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
         self._lltokenizer: llguidance.LLTokenizer | None = None  # built on first use (the vocabulary's slices)
-        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
+        self._compiled: GrammarCache[StructuredOutput, llguidance.LLMatcher] = GrammarCache(CACHE_ENTRIES, CACHE_BYTES)
         self._executor: llguidance.LLExecutor | None = None
         self._unwritable: frozenset[int] | None = None  # bytes no token holds (built on first use)
 
     def compile(self, spec: StructuredOutput) -> None:
-        """Compile and cache the spec, or raise InvalidRequest (param "structured_output") saying why."""
+        """Compile and cache the spec, or raise InvalidRequest (param "structured_output") saying why: a
+        spec over a budget (engine/grammar_budget.py), one llguidance refuses, or one whose first mask
+        fails (so the refusal comes before the request is queued, and the same every time)."""
+        if self._compiled.get(spec) is not None:  # checked when it was compiled (the engine checks again)
+            return
+        check_budget(spec)  # first: what follows parses the spec with Python's recursive parser
         self._refuse_unwritable(spec)
+        self._refuse_special_text(spec)
         self._pristine(spec)
+
+    def _refuse_special_text(self, spec: StructuredOutput) -> None:
+        """InvalidRequest when the spec spells a special token's text ("<|endoftext|>"). NOTE: llguidance
+        then allows only the special token itself at that point, and refuses it when it is consumed, so
+        the request failed mid-output (found by the fuzz of issue 44). A regex's escapes are read through."""
+        text = _spelled_text(spec)
+        spelled = sorted(special for special in self._tokenizer.special_texts if special in text)
+        if spelled:
+            raise InvalidRequest(f"the {_NAMES[spec.kind]} spells the special token {clip(spelled[0])!r}, which "
+                                 "constrained output cannot write as text", param="structured_output",
+                                 code="invalid_grammar")
 
     def _refuse_unwritable(self, spec: StructuredOutput) -> None:
         """InvalidRequest when the spec names a character this vocabulary cannot write. SmolLM2's has no
@@ -106,22 +135,13 @@ class StructuredOutputs:
         return bitmask
 
     def _pristine(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        with self._lock:
-            pristine = self._compiled.get(spec)
-            if pristine is not None:
-                self._compiled.move_to_end(spec)
-                return pristine
-            lltokenizer = self._llg_tokenizer()
-        grammar = _grammar_text(spec)
-        # NOTE: the matcher compiles the grammar against the vocabulary (llguidance drops the GIL meanwhile)
-        pristine = llguidance.LLMatcher(lltokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
-        if pristine.is_error():
-            raise InvalidRequest(f"the {_NAMES[spec.kind]} cannot be compiled: {pristine.get_error()}",
-                                 param="structured_output", code="invalid_grammar")
-        with self._lock:
-            self._compiled[spec] = pristine
-            while len(self._compiled) > CACHE_ENTRIES:
-                self._compiled.popitem(last=False)
+        pristine = self._compiled.get(spec)
+        if pristine is not None:
+            return pristine
+        if self._lltokenizer is None:
+            self._lltokenizer = COMPILE_WORKER.run(self._llg_tokenizer)
+        pristine, cost = COMPILE_WORKER.run(_compile, self._lltokenizer, spec)
+        self._compiled.put(spec, pristine, cost)
         return pristine
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -129,6 +149,45 @@ class StructuredOutputs:
             self._lltokenizer = llguidance.LLTokenizer(self._tokenizer.backend_json(), n_vocab=self.vocab_size,
                                                        eos_token=self._eos_token_ids)
         return self._lltokenizer
+
+
+def _compile(lltokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> tuple[llguidance.LLMatcher, int]:
+    """(the pristine matcher, the heap bytes its compile kept). The first mask is computed twice, on two
+    copies: llguidance's lexer is shared by a matcher's copies and one that ran out of room building the
+    first mask fails every later sequence's first mask."""
+    before = heap_bytes_in_use()
+    grammar = _grammar_text(spec)
+    try:
+        # NOTE: the matcher compiles the grammar against the vocabulary (llguidance drops the GIL meanwhile)
+        pristine = llguidance.LLMatcher(lltokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+    except ValueError as exc:  # a grammar over max_grammar_size, say
+        raise _cannot_compile(spec, str(exc)) from None
+    probes = [pristine]
+    for probe in (pristine.deep_copy(), pristine.deep_copy()):
+        if not probes[-1].is_error():
+            probe.compute_bitmask()
+            probes.append(probe)
+    failed = next((p for p in probes if p.is_error()), None)
+    if failed is not None:
+        raise _cannot_compile(spec, failed.get_error())
+    after = heap_bytes_in_use()
+    kept = after - before if before is not None and after is not None else 0
+    return pristine, max(kept, MIN_ENTRY_BYTES, len(spec.spec) * 16)
+
+
+def _cannot_compile(spec: StructuredOutput, error: str) -> InvalidRequest:
+    return InvalidRequest(f"the {_NAMES[spec.kind]} cannot be compiled: {clip(error.strip())}",
+                          param="structured_output", code="invalid_grammar")
+
+
+def _spelled_text(spec: StructuredOutput) -> str:
+    """The spec's text as its outputs could spell it: JSON's escapes decoded, a regex's escapes dropped."""
+    if spec.kind in ("json_schema", "choice"):
+        try:
+            return json.dumps(json.loads(spec.spec), ensure_ascii=False)
+        except ValueError:
+            return spec.spec
+    return re.sub(r"\\(.)", r"\1", spec.spec) if spec.kind == "regex" else spec.spec
 
 
 _NAMES = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
@@ -145,14 +204,8 @@ def _grammar_text(spec: StructuredOutput) -> str:
         # "choice": a JSON list of strings; "grammar": GBNF (llama.cpp's) or Lark, told apart by llguidance
         return llguidance.grammar_from(spec.kind, spec.spec)
     except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"the {_NAMES[spec.kind]} is not valid: {exc}", param="structured_output",
+        raise InvalidRequest(f"the {_NAMES[spec.kind]} is not valid: {clip(str(exc))}", param="structured_output",
                              code="invalid_grammar") from None
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-                  "unevaluatedProperties", "unevaluatedItems")
 
 
 def closed_objects(schema: Any) -> Any:
@@ -163,13 +216,13 @@ def closed_objects(schema: Any) -> Any:
     out = dict(schema)
     if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
         out["additionalProperties"] = False
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
+    for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [closed_objects(sub) for sub in out[key]]
-    for key in _SCHEMA_VALUES:
+    for key in SCHEMA_VALUES:
         if key in out:
             out[key] = [closed_objects(s) for s in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
     return out

@@ -255,6 +255,11 @@ class Tokenizer:
             return self._backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_texts(self) -> frozenset[str]:
+        """The text of every special token, e.g. "<|im_start|>"."""
+        return frozenset(self._special_id_of)
+
     def has_special_text(self, text: str) -> bool:
         """Whether `text` spells a special token, e.g. "<|im_start|>"."""
         return any(special in text for special in self._special_id_of)

@@ -79,13 +79,14 @@ def _validate(body: bytes, model: type[M], context: dict[str, Any] | None) -> M:
 def refuse_long_lists(body: bytes, caps: dict[str, int]) -> None:
     """400 for a field with more entries than its cap, counted without building them: parsing 100,000
     messages into dicts blocks the event loop ~4x longer than this count (docs/PERFORMANCE.md). A body this
-    cannot read (malformed, not an object, a field of another type) is left to parse_body's own errors."""
+    cannot read (malformed, nested past msgspec's depth, not an object, a field of another type) is left to
+    parse_body's own errors."""
     try:
         fields = _TOP_LEVEL_FIELDS.decode(body)
         for name, cap in caps.items():
             if name in fields and (count := len(_ENTRIES.decode(fields[name]))) > cap:
                 raise BadRequest(f"{name} must have at most {cap} entries, got {count}", param=name)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):  # msgspec raises the latter past its nesting depth
         return
 
 
