@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
     g.add_argument("--device", default=EngineConfig.device, help="auto, cpu, cuda, cuda:N")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly, without CUDA graphs (captured at start-up by default)")
+    g.add_argument("--load-read-timeout", type=float, default=EngineConfig.load_read_timeout, metavar="S",
+                   help="a model load fails when a read of its files gives no data for S seconds (a hung "
+                        "mount); the models already serving go on (default %(default)g)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU compute threads of torch and our kernels (default: torch's, one per physical core)")
     g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATION_MODES,
@@ -122,7 +125,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = args.model if isinstance(args.model, str) else models_from_args(args)[0]  # serve: the first
     return EngineConfig(
         model=model, dtype=args.dtype, device=args.device, quantization=args.quantization, seed=args.seed,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, load_read_timeout=args.load_read_timeout,
         # only `serve` has these flags: `generate` and `chat` take their sampling from their own flags
         generation_config=getattr(args, "generation_config", EngineConfig.generation_config),
         override_generation_config=getattr(args, "override_generation_config", {}),

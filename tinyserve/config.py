@@ -361,6 +361,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # CUDA: decode steps run eagerly instead of replaying CUDA graphs (vLLM's --enforce-eager)
     enforce_eager: bool = False
+    # a load fails when a read of the model's files gives no data for this long (loader/file_reads.py)
+    load_read_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -378,6 +380,8 @@ class EngineConfig:
                                                      or isinstance(value, bool)):
                 kind = "an integer" if is_top_k else "a number"
                 raise ValueError(f"override_generation_config: {name} must be {kind}, got {value!r}")
+        if not self.load_read_timeout > 0:
+            raise ValueError(f"load_read_timeout must be > 0; got {self.load_read_timeout!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; "
                              f"got {self.quantization!r}")

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from tinyserve.layers.linear import Linear, MergedLinear
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
 from tinyserve.parallel.shard import CheckpointSlice
+from tinyserve.types import Job
 
 # A checkpoint tensor: its Hugging Face name and a function producing it (lazily, so at most one
 # tensor's temporary copy exists at a time). The loaders' producers are TensorSources.
@@ -133,28 +136,41 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
 
 
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
-                           ignore: Callable[[str], bool] = lambda _: False) -> Iterator[None]:
+                           ignore: Callable[[str], bool] = lambda _: False,
+                           reads: FileReads | None = None) -> Job[None]:
     """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
     each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
     rank's rows of a tensor-parallel one alone). A Linear's `stored_bits` becomes the most its weight's
-    tensors (the shards of a merged one) are stored at."""
+    tensors (the shards of a merged one) are stored at. `reads`: the load's I/O thread, where every tensor
+    is read (loader/file_reads.py), the copy into the model alone done here; None: read here."""
     for match in match_tensors(model, tensors, ignore):
-        produce, target, part, linear = match.produce, match.target, match.part, match.linear
+        produce, linear = match.produce, match.linear
         if linear is not None and isinstance(produce, TensorSource) and produce.stored_bits is not None:
             linear.stored_bits = max(produce.stored_bits, linear.stored_bits or 0)
-        read_rows = produce.read_rows if isinstance(produce, TensorSource) else None
-        by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
-        if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
-            _copy(match.hf_name, match.read(), target)
+        for read, target in _pieces(match):
+            if reads is None:
+                tensor = read()
+            else:
+                tensor = yield from reads.read(read, f"tensor {match.hf_name!r}")
+            _copy(match.hf_name, tensor, target)
+            del tensor
             yield
-            continue
-        first_row = 0 if part is None else part.start
-        num_rows = target.shape[0]
-        rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
-        for start in range(0, num_rows, rows_per_piece):
-            stop = min(start + rows_per_piece, num_rows)
-            _copy(match.hf_name, read_rows(first_row + start, first_row + stop), target[start:stop])
-            yield
+
+
+def _pieces(match: Match) -> Iterator[tuple[Callable[[], torch.Tensor], torch.Tensor]]:
+    """(a read, the part of the target it fills): the whole tensor, or blocks of PIECE_VALUES values."""
+    produce, target, part = match.produce, match.target, match.part
+    read_rows = produce.read_rows if isinstance(produce, TensorSource) else None
+    by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
+    if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
+        yield match.read, target
+        return
+    first_row = 0 if part is None else part.start
+    num_rows = target.shape[0]
+    rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
+    for start in range(0, num_rows, rows_per_piece):
+        stop = min(start + rows_per_piece, num_rows)
+        yield partial(read_rows, first_row + start, first_row + stop), target[start:stop]
 
 
 def _copy(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
