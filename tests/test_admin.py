@@ -28,7 +28,8 @@ def _server(folder: str, load_read_timeout: float = 30.0) -> BackgroundServer:
     engine_config = EngineConfig(model=folder, dtype="float32", device="cpu", cache=CacheConfig(num_blocks=64),
                                  scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=8),
                                  load_read_timeout=load_read_timeout)
-    return BackgroundServer(engine_config, ServerConfig(port=0, warmup=False, served_model_names=("llama",)))
+    return BackgroundServer(engine_config, ServerConfig(port=0, warmup=False, served_model_names=("llama",),
+                                                        enable_admin_api=True))
 
 
 def _complete(base_url: str) -> str:

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -233,6 +234,8 @@ def api_key_from(args: argparse.Namespace) -> str | None:
         return os.environ.get("TINYSERVE_API_KEY") or None
     path = Path(args.api_key_file)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a pipe would block the start in read_text
+            raise ValueError(f"api_key_file {str(path)!r} is not a regular file")
         key = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         raise ValueError(f"api_key_file {str(path)!r} does not exist") from None
@@ -266,7 +269,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, grpc_port=args.grpc_port, served_model_names=names,
         models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
-        api_key=api_key_from(args), max_queue=args.max_queue,
+        api_key=api_key_from(args), enable_admin_api=args.enable_admin_api, max_queue=args.max_queue,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
         stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
@@ -316,6 +319,9 @@ def _add_serve_parser(sub) -> None:
                    help="also serve the gRPC API (README 'gRPC') on --host:PORT, 0 for any free port (default: off)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model); the first is reported")
+    g.add_argument("--enable-admin-api", action="store_true",
+                   help="serve /admin/models/* (load, unload, swap to a path on this machine; README 'Several "
+                        "models'); refused without an API key unless --host is loopback (default: off, 404)")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="require 'Authorization: Bearer KEY' on the API routes, KEY being this file's stripped "
                         "contents (default: $TINYSERVE_API_KEY; /health, /metrics and /version stay open)")

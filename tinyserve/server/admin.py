@@ -1,4 +1,5 @@
-"""The admin API (behind the API key): load, unload and swap the models a server serves while it runs.
+"""The admin API (mounted only with --enable-admin-api, behind the API key; ServerConfig refuses it beyond
+loopback without one): load, unload and swap the models a server serves while it runs.
 
 Each replies with the model's card as /v1/models shows it, after the operation has finished: a load
 once the model has loaded (and warmed up), an unload once its in-flight requests have drained and its
