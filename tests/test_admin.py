@@ -1,5 +1,6 @@
 """server/admin.py against files that are not models and reads that stall: a swap to a pipe, a device, a
-folder, a socket or a missing path answers 400 within 1 s with one body (no oracle of the server's files),
+folder, a socket, a file or folder that is no model, or a missing path answers 400 within 1 s with one body
+(no oracle of the server's files),
 and a swap whose reads stall fails after --load-read-timeout while the old weights keep serving, the
 other requests' latency untouched (the step thread never waits on a read: loader/file_reads.py)."""
 
@@ -54,11 +55,16 @@ def not_models(tmp_path) -> dict[str, str]:
              "missing": str(tmp_path / "missing.gguf")}
     if os.path.exists("/dev/zero"):
         paths["device"] = "/dev/zero"
+    (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")  # a regular file, no model
+    (tmp_path / "config_only").mkdir()  # a folder with a config.json and no weights
+    (tmp_path / "config_only" / "config.json").write_text('{"auths": {"registry": "secret"}}')
+    paths.update({"text file": str(tmp_path / "passwd"), "folder without weights": str(tmp_path / "config_only")})
     yield paths
     listener.close()
 
 
-def test_a_swap_to_a_pipe_device_folder_or_socket_is_a_400_within_a_second(random_hf_folders, not_models):
+def test_a_swap_to_a_pipe_device_folder_socket_or_no_model_is_one_400_within_a_second(random_hf_folders,
+                                                                                        not_models):
     with _server(random_hf_folders["llama"]) as srv:
         before = _complete(srv.base_url)
         bodies = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.model_files import is_model_source
+from tinyserve.loader.model_files import is_model_source, looks_like_model
 from tinyserve.loader.model_loader import resolve_model_path
 
 
@@ -98,3 +98,25 @@ def test_the_message_is_the_same_for_a_long_path_and_stays_short(tmp_path):
     error = _resolve_within(long_path)
     assert isinstance(error, ModelLoadError) and len(str(error)) < 600
     assert re.search("neither a known alias", str(error))
+
+
+def test_a_first_look_inside_refuses_files_and_folders_that_are_no_model(tmp_path, kinds):
+    text = tmp_path / "passwd"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    assert looks_like_model(gguf) and looks_like_model(checkpoint)
+    assert not looks_like_model(text) and not looks_like_model(config_only)
+    for kind, path in kinds.items():  # never opened: a pipe would block here
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(looks_like_model(Path(path))), daemon=True)
+        thread.start()
+        thread.join(1.0)
+        assert outcome == [False], kind

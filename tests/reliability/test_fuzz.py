@@ -401,8 +401,8 @@ ADMIN_SYSTEM_PATHS = ["/dev/zero", "/dev/null", "/dev/urandom", "/dev/stdin", "/
 
 def _admin_hostile_files(root, model_folder: str) -> tuple[list[str], list[str], object]:
     """(paths of kinds that must be refused unopened, paths of regular files that are no model, the socket to
-    close): a pipe, a socket, links to them, a folder, a checkpoint folder whose config.json is a pipe, an
-    empty file, a truncated GGUF."""
+    close): a pipe, a socket, links to them, a folder, a checkpoint folder whose config.json is a pipe; an
+    empty file (refused at the first look inside), a truncated GGUF (its magic passes: the load fails)."""
     import os
     import shutil
     import socket
@@ -435,7 +435,8 @@ def _admin_cases(paths: list[str], count: int) -> list[tuple[str, bytes]]:
         wrong_type,
     ).map(lambda b: json.dumps(b).encode())
     raw = st.one_of(body, st.binary(max_size=32), st.sampled_from(MALFORMED))
-    return draw_all(st.tuples(st.sampled_from(ADMIN_PATHS), raw), count)
+    every_path = [("/admin/models/swap", json.dumps({"model": "llama", "path": path}).encode()) for path in paths]
+    return every_path + draw_all(st.tuples(st.sampled_from(ADMIN_PATHS), raw), count)
 
 
 def _admin_problem(status: int, payload: object) -> str | None:

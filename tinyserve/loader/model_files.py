@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tinyserve.loader.errors import ModelLoadError
 
+_GGUF_MAGIC = b"GGUF"
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # the files of a checkpoint folder the loaders open (config, tokenizer, weights, index): each must be a
 # regular file where it exists
 _FOLDER_FILE_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
@@ -38,6 +40,32 @@ def is_model_source(path: Path) -> bool:
     return stat.S_ISDIR(mode) and _is_checkpoint_folder(path)
 
 
+def looks_like_model(path: Path) -> bool:
+    """is_model_source, and a first look inside: a file that begins with the GGUF magic, a folder with a
+    weight file (model.safetensors or its index). For a path a client names (the admin API): a file or
+    folder that is no model then gets the error of a missing path, not a loader's message about its
+    contents. Opens a regular file only, non-blocking, and checks it is still one before reading 4 bytes."""
+    if not is_model_source(path):
+        return False
+    if path.is_dir():
+        return any(_is_regular(path / name) for name in _WEIGHT_FILES)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(_GGUF_MAGIC), 0) == _GGUF_MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _is_regular(path: Path) -> bool:
+    mode = _mode(path)
+    return mode is not None and stat.S_ISREG(mode)
+
+
 def _mode(path: Path | str) -> int | None:
     try:
         return os.stat(path).st_mode  # follows links: a link to a pipe is a pipe
@@ -46,8 +74,7 @@ def _mode(path: Path | str) -> int | None:
 
 
 def _is_checkpoint_folder(folder: Path) -> bool:
-    config = _mode(folder / "config.json")
-    if config is None or not stat.S_ISREG(config):
+    if not _is_regular(folder / "config.json"):
         return False
     try:
         with os.scandir(folder) as entries:

@@ -125,8 +125,13 @@ def resolve_model_path(model: str) -> Path:
     (loader/model_files.py): a missing path and a pipe, device, socket or other folder get one error."""
     path = ALIASES[model]() if model in ALIASES else Path(model).expanduser()
     if not is_model_source(path):
-        raise not_a_model(model, ", ".join(ALIASES))
+        raise unknown_model(model)
     return path
+
+
+def unknown_model(model: str) -> ModelLoadError:
+    """The one error for a `model` that is no alias and names no model's file or folder."""
+    return not_a_model(model, ", ".join(ALIASES))
 
 
 def resolve_device(device: str) -> torch.device:
