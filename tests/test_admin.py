@@ -110,13 +110,13 @@ class _StalledReads:
 def test_a_swap_whose_reads_stall_fails_and_the_old_weights_keep_serving(random_hf_folders, monkeypatch):
     stall = _StalledReads(monkeypatch, random_hf_folders["qwen"])
     try:
-        with _server(random_hf_folders["llama"], load_read_timeout=0.5) as srv:
+        with _server(random_hf_folders["llama"], load_read_timeout=3.0) as srv:
             before = _complete(srv.base_url)
             start = time.monotonic()
             r = _swap(srv.base_url, random_hf_folders["qwen"])
             assert stall.entered.is_set()
             assert r.status_code == 422 and r.json()["error"]["code"] == "model_load_failed", r.text
-            assert "stalled: no data within 0.5s" in r.json()["error"]["message"]
+            assert "stalled: no data within 3s" in r.json()["error"]["message"]
             assert time.monotonic() - start < 10
             assert _complete(srv.base_url) == before
             card = httpx.get(srv.base_url + "/v1/models").json()["data"][0]

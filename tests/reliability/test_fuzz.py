@@ -465,7 +465,7 @@ def test_fuzz_admin_api(random_hf_folders, tmp_path):
     cases = _admin_cases(refused + not_models + ADMIN_SYSTEM_PATHS + [random_hf_folders["llama"]], 400)
     engine = EngineConfig(model=random_hf_folders["llama"], dtype="float32", device="cpu",
                           cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_model_len=128),
-                          load_read_timeout=2.0)
+                          load_read_timeout=10.0)
     config = replace(ServerConfig(port=0, warmup=False, served_model_names=("llama",)), enable_admin_api=True)
     completion = {"model": "llama", "prompt": "Hi", "max_tokens": 4}
     try:
