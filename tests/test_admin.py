@@ -140,7 +140,7 @@ def test_a_stalled_swap_leaves_other_requests_latency_alone(random_hf_folders, m
     the two alternate in rounds, so that the drift of a shared machine falls on both. The issue's bar:
     within 1.25x."""
     stall = _StalledReads(monkeypatch, random_hf_folders["qwen"])
-    num_rounds, num_requests = 3, 10
+    num_rounds, num_requests = 6, 8
     without, during = [], []
     try:
         with _server(random_hf_folders["llama"], load_read_timeout=120.0) as srv:
