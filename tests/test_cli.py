@@ -40,3 +40,35 @@ def test_bench_offline_hands_every_engine_flag_to_the_engine(monkeypatch):
     assert (config.num_prompts, config.input_len_range, config.seed) == (3, (5, 9), 4)
     assert main(["bench", "offline", "--dtype", "float32"]) == 0
     assert seen["config"].engine.dtype == "float32"
+
+
+def test_enable_admin_api_flag_and_its_refusal_beyond_loopback(tmp_path, monkeypatch, capsys):
+    from tinyserve.cli import build_parser, server_config_from_args
+
+    monkeypatch.delenv("TINYSERVE_API_KEY", raising=False)
+
+    def config(*argv):
+        return server_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+    assert config().enable_admin_api is False
+    assert config("--enable-admin-api").enable_admin_api is True  # loopback by default: no key needed
+    assert main(["serve", "--host", "0.0.0.0", "--enable-admin-api"]) == 1  # refused before any load
+    assert "needs an API key" in capsys.readouterr().err
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    keyed = config("--host", "0.0.0.0", "--enable-admin-api", "--api-key-file", str(key))
+    assert (keyed.enable_admin_api, keyed.api_key) == (True, "s3cret")
+
+
+def test_api_key_file_must_be_a_regular_file(tmp_path, capsys):
+    import os
+    import threading
+
+    fifo = tmp_path / "key"
+    os.mkfifo(fifo)
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(main(["serve", "--api-key-file", str(fifo)])), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "reading the key blocked on a pipe"
+    assert codes == [1] and "is not a regular file" in capsys.readouterr().err

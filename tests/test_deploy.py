@@ -210,3 +210,75 @@ def test_real_prometheus_scrapes_a_live_server_and_answers_a_dashboard_query(ser
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+DOCKERFILE, ENTRYPOINT = DEPLOY / "Dockerfile", DEPLOY / "entrypoint.sh"
+SECRET = "/run/secrets/tinyserve_api_key"
+
+
+def test_the_image_installs_a_compiler_and_builds_no_kernel_at_build_time():
+    instructions = [line for line in DOCKERFILE.read_text().splitlines() if line and not line.startswith("#")]
+    text = "\n".join(instructions)
+    assert re.search(r"apt-get install [^\n]*\bg\+\+", text)  # our kernels compile where the image runs
+    assert "cpu_kernels" not in text  # built on the build machine's CPU (-march=native) they could SIGILL elsewhere
+    (entrypoint,) = [line for line in instructions if line.startswith("ENTRYPOINT")]
+    (program,) = json.loads(entrypoint.removeprefix("ENTRYPOINT"))
+    assert f"COPY deploy/entrypoint.sh /usr/local/bin/{program}" in text
+    assert "VOLUME /cache" in text
+    assert "0.0.0.0" not in text  # the address comes with the key, in the entrypoint
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("kernels_build", ["ok", "fails"])
+def test_the_entrypoint_builds_the_kernels_per_cpu_then_serves_with_the_key_file(tmp_path, kernels_build):
+    """deploy/entrypoint.sh with `python` and `tinyserve` stubbed: the kernels first, into a cache folder named
+    by the CPU; then exec tinyserve on every address with the secret as --api-key-file and the given args."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "log"
+    _stub(bin_dir, "python", f'echo "python $* TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR" >> {log}\n'
+                             f'exit {0 if kernels_build == "ok" else 1}\n')
+    _stub(bin_dir, "tinyserve", f'echo "tinyserve $*" >> {log}\n')
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "TINYSERVE_KERNEL_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(["sh", str(ENTRYPOINT), "--shutdown-timeout", "30"], env=env, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    build, serve = log.read_text().splitlines()
+    match = re.fullmatch(rf"python -m tinyserve.layers.cpu_kernels TORCH_EXTENSIONS_DIR={tmp_path}/cache/"
+                         r"torch_extensions/cpu-([0-9a-f]{16})", build)
+    assert match, build
+    assert serve == f"tinyserve serve --host 0.0.0.0 --port 8000 --api-key-file {SECRET} --shutdown-timeout 30"
+    assert ("torch ops" in result.stderr) == (kernels_build == "fails")  # a failed build still serves, slower
+
+
+def test_the_image_refuses_to_start_without_its_key(tmp_path, capsys):
+    """What the entrypoint runs, with the secret missing or empty: exit 1 before any model loads."""
+    from tinyserve.cli import main
+
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    for path, message in ((tmp_path / "missing", "does not exist"), (empty, "is empty")):
+        assert main(["serve", "--host", "0.0.0.0", "--port", "8000", "--api-key-file", str(path)]) == 1
+        assert message in capsys.readouterr().err
+
+
+def test_compose_and_k8s_hand_the_key_as_a_secret_file_and_keep_a_kernel_cache():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    service = compose["services"]["tinyserve"]
+    assert service["secrets"] == ["tinyserve_api_key"] and SECRET.endswith("/" + service["secrets"][0])
+    assert compose["secrets"]["tinyserve_api_key"]["file"] == "./api_key.txt"
+    assert "deploy/api_key.txt" in (DEPLOY.parent / ".gitignore").read_text().splitlines()
+    assert "kernel-cache:/cache" in service["volumes"] and "kernel-cache" in compose["volumes"]
+    deployment = next(d for d in yaml.safe_load_all(K8S.read_text()) if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts == {"api-key": "/run/secrets", "kernel-cache": "/cache"}
+    assert volumes["api-key"]["secret"]["items"] == [{"key": "api-key", "path": SECRET.rsplit("/", 1)[1]}]
+    assert "env" not in container  # no key in the environment: a file alone

@@ -178,3 +178,37 @@ def test_server_config_limits_are_validated():
                        ("body_read_timeout", float("nan")), ("max_queue", 0)):
         with pytest.raises(ValueError, match=f"^{field} must be"):
             ServerConfig(**{field: bad})
+
+
+def test_the_admin_api_is_off_unless_enabled():
+    for path in ("/admin/models/load", "/admin/models/unload", "/admin/models/swap"):
+        r = _request(ServerConfig(), "POST", path, json={"model": "smollm2-135m", "path": "/etc/passwd"})
+        assert r.status_code == 404 and "error" in r.json(), path  # not mounted: nothing reads the body
+    on = _request(ServerConfig(enable_admin_api=True), "POST", "/admin/models/unload", json={"model": "x"})
+    assert on.status_code == 503 and on.json()["error"]["code"] == "loading"  # mounted, the server not ready
+    keyed = _request(ServerConfig(enable_admin_api=True, api_key="k", host="0.0.0.0"), "POST",
+                     "/admin/models/unload", json={"model": "x"})
+    assert keyed.status_code == 401
+
+
+def test_the_admin_api_beyond_loopback_needs_a_key():
+    import pytest
+
+    for host in ("0.0.0.0", "::", "10.0.0.5", "example.com"):
+        with pytest.raises(ValueError, match="enable_admin_api.*needs an API key"):
+            ServerConfig(host=host, enable_admin_api=True)
+        assert ServerConfig(host=host, enable_admin_api=True, api_key="k").enable_admin_api
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"):
+        assert ServerConfig(host=host, enable_admin_api=True).is_loopback_only, host
+
+
+def test_listening_beyond_loopback_without_a_key_warns_loudly(caplog):
+    caplog.set_level("WARNING", logger="tinyserve.server.app")
+    build_app(EngineConfig(), ServerConfig(host="0.0.0.0"))
+    (record,) = [r for r in caplog.records if r.name == "tinyserve.server.app"]
+    assert record.levelname == "WARNING" and "without an API key" in record.getMessage()
+    assert "0.0.0.0" in record.getMessage()
+    caplog.clear()
+    build_app(EngineConfig(), ServerConfig(host="0.0.0.0", api_key="k"))
+    build_app(EngineConfig(), ServerConfig(host="127.0.0.1"))
+    assert not [r for r in caplog.records if r.name == "tinyserve.server.app"]

@@ -46,7 +46,8 @@ def alone(folders) -> dict[str, dict[str, str]]:
 
 def _server(folders, first: str = "llama", **config) -> BackgroundServer:
     others = tuple((name, path) for name, path in folders.items() if name != first)
-    server_config = replace(ServerConfig(port=0, warmup=False, served_model_names=(first,)), models=others)
+    server_config = replace(ServerConfig(port=0, warmup=False, served_model_names=(first,), enable_admin_api=True),
+                            models=others)
     return BackgroundServer(_engine_config(folders[first]), replace(server_config, **config))
 
 

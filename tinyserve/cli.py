@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
     g.add_argument("--device", default=EngineConfig.device, help="auto, cpu, cuda, cuda:N")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly, without CUDA graphs (captured at start-up by default)")
+    g.add_argument("--load-read-timeout", type=float, default=EngineConfig.load_read_timeout, metavar="S",
+                   help="a model load fails when a read of its files gives no data for S seconds (a hung "
+                        "mount); the models already serving go on (default %(default)g)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU compute threads of torch and our kernels (default: torch's, one per physical core)")
     g.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATION_MODES,
@@ -122,7 +126,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = args.model if isinstance(args.model, str) else models_from_args(args)[0]  # serve: the first
     return EngineConfig(
         model=model, dtype=args.dtype, device=args.device, quantization=args.quantization, seed=args.seed,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, load_read_timeout=args.load_read_timeout,
         # only `serve` has these flags: `generate` and `chat` take their sampling from their own flags
         generation_config=getattr(args, "generation_config", EngineConfig.generation_config),
         override_generation_config=getattr(args, "override_generation_config", {}),
@@ -230,6 +234,8 @@ def api_key_from(args: argparse.Namespace) -> str | None:
         return os.environ.get("TINYSERVE_API_KEY") or None
     path = Path(args.api_key_file)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a pipe would block the start in read_text
+            raise ValueError(f"api_key_file {str(path)!r} is not a regular file")
         key = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         raise ValueError(f"api_key_file {str(path)!r} does not exist") from None
@@ -263,7 +269,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, grpc_port=args.grpc_port, served_model_names=names,
         models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
-        api_key=api_key_from(args), max_queue=args.max_queue,
+        api_key=api_key_from(args), enable_admin_api=args.enable_admin_api, max_queue=args.max_queue,
         max_n=args.max_n, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
         stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
@@ -313,6 +319,9 @@ def _add_serve_parser(sub) -> None:
                    help="also serve the gRPC API (README 'gRPC') on --host:PORT, 0 for any free port (default: off)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model); the first is reported")
+    g.add_argument("--enable-admin-api", action="store_true",
+                   help="serve /admin/models/* (load, unload, swap to a path on this machine; README 'Several "
+                        "models'); refused without an API key unless --host is loopback (default: off, 404)")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="require 'Authorization: Bearer KEY' on the API routes, KEY being this file's stripped "
                         "contents (default: $TINYSERVE_API_KEY; /health, /metrics and /version stay open)")

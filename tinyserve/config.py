@@ -3,6 +3,8 @@ that return new objects (dataclasses.replace); nothing mutates a config after it
 
 from __future__ import annotations
 
+import ipaddress
+
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -361,6 +363,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # CUDA: decode steps run eagerly instead of replaying CUDA graphs (vLLM's --enforce-eager)
     enforce_eager: bool = False
+    # a load fails when a read of the model's files gives no data for this long (loader/file_reads.py)
+    load_read_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -378,6 +382,8 @@ class EngineConfig:
                                                      or isinstance(value, bool)):
                 kind = "an integer" if is_top_k else "a number"
                 raise ValueError(f"override_generation_config: {name} must be {kind}, got {value!r}")
+        if not self.load_read_timeout > 0:
+            raise ValueError(f"load_read_timeout must be > 0; got {self.load_read_timeout!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; "
                              f"got {self.quantization!r}")
@@ -392,6 +398,9 @@ class ServerConfig:
     grpc_port: int | None = None  # the gRPC API (server/grpc_service.py) on host:grpc_port too; None: off
     served_model_names: tuple[str, ...] = ()  # () : the engine's model string
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on the API routes when set
+    # the admin API (/admin/models/*: load, unload, swap to a path on this machine); off, its routes are
+    # 404. On, it needs an api_key unless the server listens on loopback only.
+    enable_admin_api: bool = False
     # waiting (unscheduled) samples; beyond it new requests get 503 at once, and a request of more samples
     # (prompts x n) than this gets 400
     max_queue: int | None = 256
@@ -429,6 +438,17 @@ class ServerConfig:
     admission: Literal["fixed", "adaptive"] = "fixed"
     target_ttft: float | None = None
 
+    @property
+    def is_loopback_only(self) -> bool:
+        """Whether `host` reaches this machine alone: localhost or a loopback address (127.0.0.0/8, ::1).
+        Any other name, "0.0.0.0" and "::" listen beyond it."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:  # a host name: whatever it resolves to, it is not known to be loopback
+            return False
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -436,6 +456,9 @@ class ServerConfig:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
+        if self.enable_admin_api and self.api_key is None and not self.is_loopback_only:
+            raise ValueError(f"enable_admin_api: the admin API loads files named by its callers, so beyond "
+                             f"loopback (host {self.host!r}) it needs an API key (--api-key-file)")
         if self.max_queue is not None and self.max_queue < 1:  # 0 would refuse every request (400)
             raise ValueError(f"max_queue must be >= 1 (or unset: no limit), got {self.max_queue}")
         if self.max_n is not None and self.max_n < 1:

@@ -5,6 +5,7 @@ Plain data only: no torch device code, no I/O. Every layer may import this modul
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import math
 import operator
@@ -15,8 +16,11 @@ from typing import TypeVar
 T = TypeVar("T")
 # Work done in pieces: each `next` does one piece and yields None, and the generator returns the result.
 # Why: a model loads on the step thread of every engine (engine/step_loop.py), which runs one piece of a
-# job between rounds of steps, so that the models already serving keep stepping while another loads.
-Job = Generator[None, None, T]
+# job between rounds of steps, so that the models already serving keep stepping while another loads. A
+# piece that waits for work on another thread (a file read, loader/file_reads.py) yields that Future
+# instead: whoever runs the job does other work, or waits on it, before the next `next`.
+Job = Generator["concurrent.futures.Future | None", None, T]
+JOB_WAIT_POLL_S = 0.05  # how long run_to_end waits on a yielded Future before resuming the job
 
 
 def as_job(fn: Callable[[], T]) -> Job[T]:
@@ -29,9 +33,11 @@ def run_to_end(job: Job[T]) -> T:
     """All of a job's pieces back to back (whoever has no step loop to share: tinyserve.LLM, tests)."""
     while True:
         try:
-            next(job)
+            waiting_on = next(job)
         except StopIteration as done:
             return done.value
+        if waiting_on is not None:  # resumed now and then: the job keeps its own deadline
+            concurrent.futures.wait([waiting_on], timeout=JOB_WAIT_POLL_S)
 
 MAX_TOP_LOGPROBS = 20
 # Per-request caps: the engine thread does work in proportion to each of these on every token

@@ -74,7 +74,8 @@ def test_two_models_sixteen_streams_each_from_its_own(random_hf_folders, alone):
 
 
 def test_swap_under_load_fails_nothing_and_returns_the_memory(random_hf_folders, alone):
-    config = replace(ServerConfig(port=0, warmup=False, served_model_names=("a",)), drain_timeout=120)
+    config = replace(ServerConfig(port=0, warmup=False, served_model_names=("a",), enable_admin_api=True),
+                     drain_timeout=120)
     with BackgroundServer(ENGINE, config) as srv:
         slot = srv.state.registry.default
 

@@ -89,7 +89,8 @@ class LLMEngine:
             if ranks is not None:
                 loaded = yield from rank_setup.load_shard(config, ranks)
             else:
-                loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization)
+                loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization,
+                                                          read_timeout_s=config.load_read_timeout)
         if config.speculative.method == "draft":
             if draft is None:
                 draft = yield from load_draft_model_in_pieces(config)

@@ -11,6 +11,9 @@ Jobs: building an engine (loading a model) runs on this thread too, as a Job (ti
 small pieces, one tensor's work or less each. Between rounds the loop runs pieces for JOB_SLICE_S (at
 least one) while any engine has work, so that a step waits at most that long plus one piece; while none
 has, it runs them back to back. A load beside busy models takes longer; their requests barely notice.
+A piece that waits for a read on the load's I/O thread (loader/file_reads.py) yields its Future: the loop
+then steps the engines (or, with none busy, sleeps until the read ends or work comes) instead of spending
+its slice on the wait, so a read that stalls costs the other models nothing.
 
 Isolation: a step that raises marks only its engine dead (AsyncEngine._fail) and the loop goes on with
 the others; a job that raises fails its own future; a step that hangs holds the thread, so every engine
@@ -129,31 +132,53 @@ class StepLoop:
                 if not self._jobs or self._is_stopping:
                     return
                 job, future = self._jobs[0]
-            if self._run_piece(job, future):
+            is_done, waiting_on = self._run_piece(job, future)
+            if is_done:
                 with self.wake:
                     self._jobs.popleft()
+            elif waiting_on is not None:
+                if not self._wait_for(waiting_on):
+                    return
+                continue
             if time.monotonic() >= deadline:
                 with self.wake:
                     if self._has_engine_work():
                         return
                     self._mark_idle()  # no step is waiting for this job
 
+    def _wait_for(self, waiting_on: concurrent.futures.Future) -> bool:
+        """A job waits on `waiting_on`: False at once if an engine has work (it steps; the job is resumed
+        next round), else True after sleeping until the Future ends, work arrives or JOB_SLICE_S passes."""
+        with self.wake:
+            if self._has_engine_work() or self._is_stopping:
+                return False
+            self._mark_idle()
+            # NOTE: under `wake` (a re-entrant lock): a read that ends before the wait starts notifies after
+            waiting_on.add_done_callback(self._notify)
+            if not waiting_on.done():
+                self.wake.wait(JOB_SLICE_S)
+        return True
+
+    def _notify(self, _: concurrent.futures.Future) -> None:
+        with self.wake:
+            self.wake.notify()
+
     @staticmethod
-    def _run_piece(job: Job, future: concurrent.futures.Future) -> bool:
-        """One piece of `job`; True once it has ended, its result or exception set on `future` (or it was
-        cancelled before it started)."""
+    def _run_piece(job: Job, future: concurrent.futures.Future) -> tuple[bool, concurrent.futures.Future | None]:
+        """One piece of `job`: (whether it has ended, its result or exception set on `future`, or it was
+        cancelled before it started; the Future the piece waits on, if it yielded one)."""
         if not future.running() and not future.set_running_or_notify_cancel():
             job.close()
-            return True
+            return True, None
         try:
-            next(job)
+            waiting_on = next(job)
         except StopIteration as done:
             future.set_result(done.value)
-            return True
+            return True, None
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, whatever it is
             future.set_exception(exc)
-            return True
-        return False
+            return True, None
+        return False, waiting_on
 
     def _detach(self, engine: AsyncEngine) -> None:
         with self.wake:

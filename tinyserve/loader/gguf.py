@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -193,13 +194,20 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _dequantize(tensor: GGUFTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
-    """The tensor's values, or those of its rows [start, stop) alone (its data's first axis is its rows)."""
+def _fetch(tensor: GGUFTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor's bytes (or those of its rows [start, stop) alone: its data's first axis is its rows), copied
+    out of the mapped file: the read of a load's I/O thread, where the pages fault in (loader/file_reads.py)."""
+    return np.array(tensor.data if rows is None else tensor.data[rows[0]:rows[1]])
+
+
+def _dequantize(tensor: GGUFTensor, rows: tuple[int, int] | None = None, data: np.ndarray | None = None) -> np.ndarray:
+    """The values of the tensor, or of its rows [start, stop) alone, from `data` (_fetch's copy of them; None:
+    read from the mapping here)."""
     if tensor.tensor_type not in _STORED_BITS:
         raise ModelLoadError(f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}")
-    data, shape = tensor.data, tensor.shape
-    if rows is not None:
-        data, shape = data[rows[0]:rows[1]], (rows[1] - rows[0], *shape[1:])
+    if data is None:
+        data = tensor.data if rows is None else tensor.data[rows[0]:rows[1]]
+    shape = tensor.shape if rows is None else (rows[1] - rows[0], *tensor.shape[1:])
     try:
         return gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
     except Exception as exc:
@@ -237,14 +245,20 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
 
         shift = 1.0 if shifts_norms and hf_name.endswith("norm.weight") else 0.0
 
-        def produce(tensor=tensor, num_heads=num_heads, shift=shift) -> torch.Tensor:
-            w = _dequantize(tensor)
+        def decode(data: np.ndarray, rows: tuple[int, int] | None, tensor=tensor, num_heads=num_heads,
+                   shift=shift) -> torch.Tensor:
+            w = _dequantize(tensor, rows, data)
             w = w if num_heads is None else _unpermute_rope_rows(w, num_heads)
             return _float32_tensor(w - np.float32(shift) if shift else w)
 
-        def read_rows(start: int, stop: int, tensor=tensor) -> torch.Tensor:
-            return _float32_tensor(_dequantize(tensor, (start, stop)))
+        fetch = partial(_fetch, tensor)
 
-        # the norms are vectors, read whole: only matrices are read by blocks of rows
+        def produce(fetch=fetch, decode=decode) -> torch.Tensor:
+            return decode(fetch(None), None)
+
+        def read_rows(start: int, stop: int, fetch=fetch, decode=decode) -> torch.Tensor:
+            return decode(fetch((start, stop)), (start, stop))
+
+        # the norms and the permuted Q/K are read whole: only other matrices are read by blocks of rows
         rows = read_rows if num_heads is None and not shift else None
-        yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type))
+        yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type), fetch, decode)

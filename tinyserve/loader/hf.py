@@ -297,18 +297,20 @@ def _open(path: Path):
 
 
 def _producer(handle, path: Path, name: str, transpose: bool) -> TensorSource:
-    def produce() -> torch.Tensor:
+    def fetch(rows: None = None) -> torch.Tensor:  # safetensors copies the bytes out of its mapping
         try:
-            tensor = handle.get_tensor(name)
+            return handle.get_tensor(name)
         except Exception as exc:
             raise ModelLoadError(f"{path}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
+
+    def decode(tensor: torch.Tensor, rows: None = None) -> torch.Tensor:
         return tensor.t() if transpose else tensor  # Conv1D [in, out] -> Linear [out, in]
 
     try:  # from the header: nothing is read
         shape = tuple(handle.get_slice(name).get_shape())
     except Exception as exc:
         raise ModelLoadError(f"{path}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
-    return TensorSource(shape[::-1] if transpose else shape, produce)
+    return TensorSource(shape[::-1] if transpose else shape, lambda: decode(fetch()), fetch=fetch, decode=decode)
 
 
 def hf_tensors(folder: str | Path) -> Iterator[NamedTensor]:

@@ -4,7 +4,8 @@ The model is built on the meta device (no memory, no random init) from a checked
 bounds), matched against the checkpoint's tensor names and header shapes, materialized empty on the
 target device in the target dtype, then filled tensor by tensor: peak memory is the model plus one tensor.
 Each step is also a piece of a job (`load_model_in_pieces`), so that a server's step thread can load a
-model between the steps of the models it serves (engine/step_loop.py).
+model between the steps of the models it serves (engine/step_loop.py); the files are only ever read on the
+load's I/O thread (loader/file_reads.py), so a read that stalls fails the load and stalls no step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tinyserve.config import ModelConfig
+from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.layers import ops
 from tinyserve.layers.linear import (
     can_pack,
@@ -32,9 +33,11 @@ from tinyserve.layers.linear import (
 )
 from tinyserve.layers.quant import check_quantization
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.gguf import (gguf_linears_quantized, gguf_model_config, gguf_sampling_fields, gguf_tensors,
                                   open_gguf)
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields, hf_tensors
+from tinyserve.loader.model_files import is_model_source, not_a_model
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.weights import load_weights_in_pieces, match_tensors
 from tinyserve.models.registry import get_model_class
@@ -118,12 +121,17 @@ ALIAS_SAMPLING: dict[str, dict[str, float]] = {"smollm2-135m": {"temperature": 0
 
 
 def resolve_model_path(model: str) -> Path:
-    """An alias, a .gguf file or a Hugging Face checkpoint folder -> an existing path."""
+    """An alias, a .gguf file or a Hugging Face checkpoint folder -> its path, checked by os.stat alone
+    (loader/model_files.py): a missing path and a pipe, device, socket or other folder get one error."""
     path = ALIASES[model]() if model in ALIASES else Path(model).expanduser()
-    if not path.exists():
-        aliases = ", ".join(ALIASES)
-        raise ModelLoadError(f"model {model!r} is neither a known alias ({aliases}) nor an existing path")
+    if not is_model_source(path):
+        raise unknown_model(model)
     return path
+
+
+def unknown_model(model: str) -> ModelLoadError:
+    """The one error for a `model` that is no alias and names no model's file or folder."""
+    return not_a_model(model, ", ".join(ALIASES))
 
 
 def resolve_device(device: str) -> torch.device:
@@ -146,9 +154,10 @@ def build_model(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.
 
 def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, device: torch.device,
                           ignore=lambda _: False, quantization: str | None = None,
-                          shard: ModelShard | None = None) -> Job[nn.Module]:
+                          shard: ModelShard | None = None, reads: FileReads | None = None) -> Job[nn.Module]:
     """build_model, in pieces of at most one tensor (or block of rows) read, or one linear quantized or
-    packed, each. shard: the part of the model this rank holds (tensor / pipeline parallel; None: all)."""
+    packed, each. shard: the part of the model this rank holds (tensor / pipeline parallel; None: all).
+    reads: the I/O thread the tensors are read on (load_weights_in_pieces; None: read here)."""
     check_quantization(quantization, dtype, device)
     cls = get_model_class(config.architecture)
     # A quantized model is quantized from float32 weights (a GGUF's exact dequantized values), then cast.
@@ -164,7 +173,7 @@ def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, devi
     # is the thread's, and the step loop runs other work between them
     model.requires_grad_(False)
     yield
-    yield from load_weights_in_pieces(model, tensors, ignore=ignore)
+    yield from load_weights_in_pieces(model, tensors, ignore=ignore, reads=reads)
     if quantization:
         yield from quantize_linear_weights_in_pieces(model, quantization)
         model = model.to(dtype)
@@ -207,38 +216,58 @@ def load_model(model: str, dtype: str, device: str, quantization: str | None = N
     return run_to_end(load_model_in_pieces(model, dtype, device, quantization))
 
 
+@dataclass
+class _Checkpoint:
+    """What a checkpoint's headers say (read on the load's I/O thread), before any tensor is read."""
+
+    config: ModelConfig
+    recommended: dict[str, float | int | None]
+    tokenizer: Tokenizer
+    tensors: list  # [(Hugging Face name, TensorSource)]
+    ignore: Callable[[str], bool]
+    stored_quantized: bool
+
+
+def _read_checkpoint(path: Path, model: str) -> _Checkpoint:
+    if path.is_dir():
+        config = hf_model_config(path)
+        return _Checkpoint(config, hf_sampling_fields(path), Tokenizer.from_folder(path), list(hf_tensors(path)),
+                           partial(hf_ignored, config=config), stored_quantized=False)
+    reader = open_gguf(path)
+    config = gguf_model_config(reader)
+    recommended = gguf_sampling_fields(reader) or dict(ALIAS_SAMPLING.get(model, {}))
+    return _Checkpoint(config, recommended, Tokenizer.from_gguf(reader), list(gguf_tensors(reader, config)),
+                       lambda _: False, gguf_linears_quantized(reader))
+
+
 def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str | None = None,
-                         shard_for: Callable[[ModelConfig, torch.dtype], ModelShard] | None = None) -> Job[LoadedModel]:
-    """load_model as a job (tinyserve/types.py): the file's header, the tokenizer, then build_model's pieces.
-    shard_for: tensor / pipeline parallel's choice of this rank's part, from the checkpoint's config."""
+                         shard_for: Callable[[ModelConfig, torch.dtype], ModelShard] | None = None,
+                         read_timeout_s: float = EngineConfig.load_read_timeout) -> Job[LoadedModel]:
+    """load_model as a job (tinyserve/types.py): the files' headers and the tokenizer, then build_model's
+    pieces; every read of the files on an I/O thread (loader/file_reads.py), a load whose read gives no
+    data within read_timeout_s failing with ModelLoadError. shard_for: tensor / pipeline parallel's choice
+    of this rank's part, from the checkpoint's config."""
     path = resolve_model_path(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
-    if path.is_dir():
-        config = hf_model_config(path)
-        recommended = hf_sampling_fields(path)
-        tokenizer = Tokenizer.from_folder(path)
-        tensors, ignore = hf_tensors(path), partial(hf_ignored, config=config)
-        stored_quantized = False
-    else:
-        reader = open_gguf(path)
+    reads = FileReads(read_timeout_s)
+    try:
+        checkpoint = yield from reads.read(partial(_read_checkpoint, path, model), f"the headers of {path.name}")
+        config, tokenizer = checkpoint.config, checkpoint.tokenizer
         yield
-        config = gguf_model_config(reader)
-        recommended = gguf_sampling_fields(reader) or dict(ALIAS_SAMPLING.get(model, {}))
-        tokenizer = Tokenizer.from_gguf(reader)
-        tensors, ignore = gguf_tensors(reader, config), lambda _: False
-        stored_quantized = gguf_linears_quantized(reader)
-    yield
-    quantization = resolve_quantization(quantization, stored_quantized, torch_dtype, torch_device)
-    shard = shard_for(config, torch_dtype) if shard_for is not None else None
-    net = yield from build_model_in_pieces(config, tensors, torch_dtype, torch_device, ignore=ignore,
-                                           quantization=quantization, shard=shard)
+        quantization = resolve_quantization(quantization, checkpoint.stored_quantized, torch_dtype, torch_device)
+        shard = shard_for(config, torch_dtype) if shard_for is not None else None
+        net = yield from build_model_in_pieces(config, checkpoint.tensors, torch_dtype, torch_device,
+                                               ignore=checkpoint.ignore, quantization=quantization, shard=shard,
+                                               reads=reads)
+    finally:
+        reads.close()
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     config = _with_eos(config, eos, tokenizer.bos_token_id)
     logger.info("loaded %s (%s, %s%s on %s) in %.1fs", path.name, config.architecture, torch_dtype,
                 f", {quantization} weights" if quantization else "", torch_device, time.perf_counter() - start)
-    return LoadedModel(net, config, tokenizer, path, recommended, quantization)
+    return LoadedModel(net, config, tokenizer, path, checkpoint.recommended, quantization)
 
 
 def resolve_quantization(mode: str | None, stored_quantized: bool, dtype: torch.dtype,

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
 from tinyserve.layers.linear import Linear, MergedLinear
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
 from tinyserve.parallel.shard import CheckpointSlice
+from tinyserve.types import Job
 
 # A checkpoint tensor: its Hugging Face name and a function producing it (lazily, so at most one
 # tensor's temporary copy exists at a time). The loaders' producers are TensorSources.
 NamedTensor = tuple[str, Callable[[], torch.Tensor]]
+Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it
 
 
 # A large tensor loads in blocks of rows of about this many values (8 MiB of float32), each one piece of a
@@ -37,12 +42,19 @@ class TensorSource:
     how to read it: whole, or (`read_rows`, where the file can) rows [start, stop) of it alone.
     `stored_bits`: the bits per weight of the codes the file stores it in, where the file chose a quantized
     type for it (a GGUF's Q8_0: 8, Q6_K: 6, Q4_K: 4); None for a float tensor, which made no such choice. A
-    Linear that receives its weight keeps it (Linear.stored_bits) for `--quantization int4`."""
+    Linear that receives its weight keeps it (Linear.stored_bits) for `--quantization int4`.
+    `fetch` and `decode`, where the source splits a read in two (`read` is then decode(fetch(None), None)):
+    fetch(rows) copies the file's bytes of the tensor (rows [start, stop), or None: all), the part a load
+    runs on its I/O thread (loader/file_reads.py); decode(fetched, rows) makes the tensor of them
+    (dequantizing, reordering), the CPU work, which stays on the step thread with the model's other pieces.
+    Without them, `read` and `read_rows` run whole on the I/O thread."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     read_rows: Callable[[int, int], torch.Tensor] | None = None
     stored_bits: int | None = None
+    fetch: Callable[[Rows], Any] | None = None
+    decode: Callable[[Any, Rows], torch.Tensor] | None = None
 
     def __call__(self) -> torch.Tensor:
         return self.read()
@@ -74,7 +86,10 @@ class Match:
     linear: Linear | None
 
     def read(self) -> torch.Tensor:
-        tensor = self.produce()
+        return self.checked(self.produce())
+
+    def checked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor read, its shape checked, narrowed to this rank's part."""
         _check_shape(self.hf_name, tuple(tensor.shape), self.target, self.part)  # the data, whatever the header said
         part = self.part
         return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
@@ -133,28 +148,61 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
 
 
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
-                           ignore: Callable[[str], bool] = lambda _: False) -> Iterator[None]:
+                           ignore: Callable[[str], bool] = lambda _: False,
+                           reads: FileReads | None = None) -> Job[None]:
     """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
     each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
     rank's rows of a tensor-parallel one alone). A Linear's `stored_bits` becomes the most its weight's
-    tensors (the shards of a merged one) are stored at."""
+    tensors (the shards of a merged one) are stored at. `reads`: the load's I/O thread, where every tensor
+    is read (loader/file_reads.py), the copy into the model alone done here; None: read here."""
     for match in match_tensors(model, tensors, ignore):
-        produce, target, part, linear = match.produce, match.target, match.part, match.linear
+        produce, linear = match.produce, match.linear
         if linear is not None and isinstance(produce, TensorSource) and produce.stored_bits is not None:
             linear.stored_bits = max(produce.stored_bits, linear.stored_bits or 0)
-        read_rows = produce.read_rows if isinstance(produce, TensorSource) else None
-        by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
-        if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
-            _copy(match.hf_name, match.read(), target)
+        for fetch, finish, target in _pieces(match):
+            if reads is None:
+                fetched = fetch()
+            else:
+                fetched = yield from reads.read(fetch, f"tensor {match.hf_name!r}")
+            tensor = finish(fetched)
+            del fetched
+            _copy(match.hf_name, tensor, target)
+            del tensor
             yield
-            continue
-        first_row = 0 if part is None else part.start
-        num_rows = target.shape[0]
-        rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
-        for start in range(0, num_rows, rows_per_piece):
-            stop = min(start + rows_per_piece, num_rows)
-            _copy(match.hf_name, read_rows(first_row + start, first_row + stop), target[start:stop])
-            yield
+
+
+def _pieces(match: Match) -> Iterator[tuple[Callable[[], Any], Callable[[Any], torch.Tensor], torch.Tensor]]:
+    """(the read for the I/O thread, what makes the tensor of its result here, the part of the target they
+    fill): for the whole tensor, or for each block of PIECE_VALUES values of it."""
+    produce, target, part = match.produce, match.target, match.part
+    source = produce if isinstance(produce, TensorSource) else None
+    split = source is not None and source.fetch is not None and source.decode is not None
+    read_rows = source.read_rows if source is not None else None
+    by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
+    if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
+        if split:
+            yield partial(source.fetch, None), lambda fetched: match.checked(source.decode(fetched, None)), target
+        else:
+            yield produce, match.checked, target
+        return
+    first_row = 0 if part is None else part.start
+    num_rows = target.shape[0]
+    rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
+    for start in range(0, num_rows, rows_per_piece):
+        rows = (first_row + start, first_row + min(start + rows_per_piece, num_rows))
+        piece = target[start:rows[1] - first_row]
+        if split:
+            yield partial(source.fetch, rows), partial(_decode_rows, source.decode, rows), piece
+        else:
+            yield partial(read_rows, *rows), _as_is, piece
+
+
+def _decode_rows(decode: Callable[[Any, Rows], torch.Tensor], rows: Rows, fetched: Any) -> torch.Tensor:
+    return decode(fetched, rows)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _copy(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:

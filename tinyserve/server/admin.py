@@ -1,20 +1,24 @@
-"""The admin API (behind the API key): load, unload and swap the models a server serves while it runs.
+"""The admin API (mounted only with --enable-admin-api, behind the API key; ServerConfig refuses it beyond
+loopback without one): load, unload and swap the models a server serves while it runs.
 
 Each replies with the model's card as /v1/models shows it, after the operation has finished: a load
 once the model has loaded (and warmed up), an unload once its in-flight requests have drained and its
 memory is freed, a swap once new requests go to the new weights and the old ones are freed. A load that
 fails replies 422 model_load_failed with the loader's message, and a swap that fails leaves the old
-weights serving.
+weights serving. A swap's path that is missing, not a regular file or folder of them, or no model at a
+first look (loader/model_files.py) is one 400 model_not_found, whichever it is: no file-system oracle.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
-from tinyserve.loader.model_loader import ModelLoadError, resolve_model_path
+from tinyserve.loader.model_files import looks_like_model
+from tinyserve.loader.model_loader import ModelLoadError, resolve_model_path, unknown_model
 from tinyserve.server.errors import APIError, BadRequest
 from tinyserve.server.intake import parse_body, require_api_key, server_state
 from tinyserve.server.model_slot import ModelSlot
@@ -24,6 +28,7 @@ from tinyserve.server.state import ServerState
 
 M = TypeVar("M", bound=BaseModel)
 router = APIRouter(prefix="/admin/models", dependencies=[Depends(require_api_key)])
+PATH_CHECK_TIMEOUT_S = 1.0  # a swap's path is refused when its first look inside takes longer
 
 
 class ModelLoadFailed(APIError):
@@ -53,9 +58,14 @@ async def swap(request: Request) -> dict:
         raise BadRequest("hot swap is not available with tensor or pipeline parallel: restart the server on "
                          "the new model", param="path", code="unsupported_with_parallel")
     try:
-        resolve_model_path(body.path)
-    except ModelLoadError as exc:
-        raise BadRequest(f"path: {exc}", param="path", code="model_not_found") from None
+        path = resolve_model_path(body.path)
+        # a first look inside, on a worker thread and bounded: a file on a hung mount stalls only that thread
+        is_model = await asyncio.wait_for(asyncio.to_thread(looks_like_model, path), PATH_CHECK_TIMEOUT_S)
+    except (ModelLoadError, asyncio.TimeoutError):
+        is_model = False
+    if not is_model:  # one answer for a missing path and for every file or folder that is no model
+        raise BadRequest(f"path: {unknown_model(body.path)}", param="path",
+                         code="model_not_found")
     await _run(slot, state.registry.swap(slot, body.path))
     return model_card(state, slot, body.model).dump()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -16,13 +17,17 @@ from tinyserve.server.errors import install_error_handlers
 from tinyserve.server.middleware import RequestContextMiddleware
 from tinyserve.server.state import ServerState
 
+logger = logging.getLogger(__name__)
+
 
 def build_app(engine_config: EngineConfig, config: ServerConfig,
               engine_factory: Callable[[EngineConfig], object] | None = None) -> FastAPI:
     """`engine_factory(engine_config) -> LLMEngine` replaces the default loader (tests share one loaded
     model between apps; each model's engine_config names its source). The start-up models load in the
     background once the app starts: /health is 503 until their warm-up generations have run. With
-    `config.grpc_port` the gRPC API runs on the same event loop (`app.state.grpc`, server/grpc_server.py)."""
+    `config.grpc_port` the gRPC API runs on the same event loop (`app.state.grpc`, server/grpc_server.py).
+    The admin API is mounted only with `config.enable_admin_api`; a server that listens beyond loopback
+    without an API key says so loudly (ServerConfig refuses the admin API there)."""
     state = ServerState(engine_config, config, engine_factory)
 
     @asynccontextmanager
@@ -45,9 +50,13 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
-    for router in (completions.router, chat.router, routes.api, admin.router, routes.public, engine_view.router,
-                   web.router):
+    routers = (completions.router, chat.router, routes.api, routes.public, engine_view.router, web.router)
+    for router in routers + ((admin.router,) if config.enable_admin_api else ()):  # off: /admin/* is 404
         app.include_router(router)
+    if config.api_key is None and not config.is_loopback_only:
+        logger.warning("SECURITY: listening on %s without an API key: anyone who can reach this address can "
+                       "use the API and spend this machine's compute; set --api-key-file (or "
+                       "$TINYSERVE_API_KEY), or listen on 127.0.0.1", config.host)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
