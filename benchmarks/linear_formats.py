@@ -8,6 +8,7 @@ format, by rows per step: the formats interleaved in every repeat, medians. One 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -21,7 +22,9 @@ from tinyserve.layers.weight_format import Bf16Weight
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]: qkv, o, gate_up, down
 LAYERS = 30
 FORMATS = {"bf16": Bf16Weight.pack, "int8_g32": lambda w: Int8Weight.quantize(w)[0],
-           "int4_g32": lambda w: Int4Weight.quantize(w)[0], "int8_row": lambda w: Int8ChannelWeight.quantize(w)[0]}
+           "int4_g32": lambda w: Int4Weight.quantize(w)[0], "int8_row": lambda w: Int8ChannelWeight.quantize(w)[0],
+           # int4's codes with the activations unrounded (the w4a16 mode's block linears)
+           "w4a16_g32": lambda w: dataclasses.replace(Int4Weight.quantize(w)[0], int8_inputs=False)}
 
 
 def main() -> None:

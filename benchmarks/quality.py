@@ -32,7 +32,8 @@ TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 # (name, dtype, weight quantization, KV pool dtype)
 MODES = [("float32", "float32", None, None), ("bfloat16", "bfloat16", None, None),
          ("int8", "bfloat16", "int8", None), ("int4", "bfloat16", "int4", None),
-         ("int8-kv", "bfloat16", None, torch.int8)]  # --kv-cache-dtype int8 beside bfloat16 weights
+         ("int8-kv", "bfloat16", None, torch.int8),  # --kv-cache-dtype int8 beside bfloat16 weights
+         ("w4a16", "bfloat16", "w4a16", None)]  # int4's codes, the activations unrounded
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give three tips for learning a new language.", "What is 17 times 23?",
@@ -55,15 +56,15 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--result-file", type=Path, default=None)
-    parser.add_argument("--modes", default="float32,bfloat16,int8,int4,int8-kv",
+    parser.add_argument("--modes", default="float32,bfloat16,int8,int4,int8-kv,w4a16",
                         help="which rows, comma-separated (float32, the reference, always runs first)")
     args = parser.parse_args()
     wanted = {"float32", *args.modes.split(",")}
     if unknown := wanted - {mode[0] for mode in MODES}:
         parser.error(f"unknown modes {sorted(unknown)}")
     records, reference = [], None
-    print("| mode | identical prompts | same tokens before divergence | perplexity | vs float32 |")
-    print("|---|---:|---:|---:|---:|")
+    print("| mode | identical prompts | same tokens before divergence | perplexity | vs float32 | first-token logits, max abs error |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, dtype, quantization, kv_dtype in [mode for mode in MODES if mode[0] in wanted]:
         start = time.perf_counter()
         loaded = load_model(args.model, dtype, "cpu", quantization)
@@ -78,8 +79,11 @@ def main() -> None:
         outputs = [greedy_generate(loaded.model, ids, args.max_tokens, decode_kernel=kernel, kv_dtype=kv_dtype)
                    for ids in prompts]
         ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()), kernel, kv_dtype)
+        # the first token comes from the prompt's prefill step: its logits, against float32's
+        first_logits = [forward_sequence(loaded.model, ids, kv_dtype=kv_dtype)[-1] for ids in prompts]
         if reference is None:
-            reference = {"outputs": outputs, "perplexity": ppl}
+            reference = {"outputs": outputs, "perplexity": ppl, "first_logits": first_logits}
+        first_error = max((a - b).abs().max().item() for a, b in zip(first_logits, reference["first_logits"]))
         prefixes = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref))
                     for ref, out in zip(reference["outputs"], outputs)]
         record = {
@@ -88,11 +92,12 @@ def main() -> None:
             "identical_prompts": sum(p == args.max_tokens for p in prefixes), "num_prompts": len(PROMPTS),
             "same_tokens": sum(prefixes) / (len(PROMPTS) * args.max_tokens),
             "perplexity": round(ppl, 3), "perplexity_ratio": round(ppl / reference["perplexity"], 4),
+            "first_token_logit_max_abs_error": round(first_error, 4),
             "seconds": round(time.perf_counter() - start, 1),
         }
         records.append(record)
         print(f"| {name} | {record['identical_prompts']}/{len(PROMPTS)} | {record['same_tokens']:.1%} | "
-              f"{ppl:.3f} | {record['perplexity_ratio']:.3f}x |", flush=True)
+              f"{ppl:.3f} | {record['perplexity_ratio']:.3f}x | {first_error:.3f} |", flush=True)
         del loaded
     if args.result_file:
         args.result_file.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,

@@ -88,6 +88,49 @@ def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens)
     assert ((got.float() - expected).abs() <= expected.abs() / 256 + 1e-5 * expected.abs().max()).all()
 
 
+needs_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C++ kernels are not built here")
+
+
+def _w4a16(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    return ops.cpu_kernels.w4a16_matmul(x, weight.codes, weight.scales, weight.minimums, weight.out_features)
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (40, 96), (16, 32), (960, 576)])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 19, 64])
+def test_w4a16_kernel_computes_the_dequantized_product_of_unrounded_inputs(out_features, in_features, tokens):
+    """csrc/w4a16_matmul.cpp against float64: the Q4_1 weights (code * scale + minimum, float16 scale and
+    minimum) times the bfloat16 inputs as they are, to the rounding of the bfloat16 output plus float32 sums
+    (the int8-rounded inputs of int4_matmul would miss this bound by far: the last assertion)."""
+    torch.manual_seed(out_features + tokens)
+    weight = torch.randn(out_features, in_features) * 0.05
+    x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
+    x[0, :32] *= in_features == 32 or 0  # an all-zero group (but for a 32-input layer: its only one)
+    codes, scale, minimum = int4_codes(weight)
+    groups = codes.reshape(out_features, -1, 32).double()
+    dequantized = (groups * scale.half().double()[..., None] + minimum.half().double()[..., None]).flatten(1)
+    expected = x.double() @ dequantized.t()
+    bound = expected.abs() / 256 + 1e-6 * (x.double().abs() @ dequantized.abs().t())
+    quantized = Int4Weight.quantize(weight)[0]
+    got = _w4a16(x, quantized)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
+    assert ((got.double() - expected).abs() <= bound).all()
+    rounded = ops.cpu_kernels.int4_matmul(x, quantized.codes, quantized.scales, quantized.minimums, out_features)
+    assert not ((rounded.double() - expected).abs() <= bound).all()
+
+
+@needs_kernels
+def test_w4a16_gives_a_token_the_same_bits_in_any_step_shape():
+    """A token's output does not depend on the tokens beside it: one at a time, in passes of 8 with a
+    remainder, in a 64-token chunk (tokens must not depend on how a step was batched or chunked)."""
+    torch.manual_seed(3)
+    weight = Int4Weight.quantize(torch.randn(200, 256) * 0.05)[0]
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    whole = _w4a16(x, weight)
+    assert torch.equal(torch.cat([_w4a16(x[t : t + 1], weight) for t in range(64)]), whole)
+    assert torch.equal(torch.cat([_w4a16(x[a : a + 19], weight) for a in range(0, 64, 19)]), whole)
+
+
 def _channel_formula(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What csrc/int8_channel_matmul.cpp computes, in float64: per output row a scale max|w| / 127 and codes
     round(w / scale); inputs rounded to int8 per span of 32 (the last one shorter) with scale max|x| / 127;
@@ -182,7 +225,7 @@ def test_int8_keeps_a_q8_0_gguf_s_own_values(smollm2_path):
 
 
 @needs_bf16
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w4a16"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_llama):
     """The int kernels run every step of a quantized model, whatever its size, and compute the model
@@ -192,7 +235,7 @@ def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_
     dequantized = copy.deepcopy(model)  # float32, each weight set to its quantized values, plain F.linear
     for name, module in dequantized.named_modules():
         if isinstance(module, (Linear, TiedLMHead)):
-            fmt = Int8Weight if name == "lm_head" else Int4Weight if quantization == "int4" else Int8ChannelWeight
+            fmt = Int8Weight if name == "lm_head" else Int8ChannelWeight if quantization == "int8" else Int4Weight
             module.weight.data.copy_(fmt.quantize(module.weight)[1])
     assert quantize_linear_weights(model, quantization) == 2 * 4 + 1  # qkv, o, gate_up, down; the head
     assert quantize_linear_weights(model, quantization) == 0  # idempotent
@@ -200,6 +243,8 @@ def test_quantized_model_computes_its_quantized_values(quantization, tied, tiny_
     blocks = [m for m in model.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.weight_format, block_format) and m.weight.is_meta for m in blocks)  # no float copy
     assert isinstance(model.lm_head.weight_format, Int8Weight)
+    # w4a16: int4's codes, the kernels that keep the activations unrounded
+    assert all(getattr(m.weight_format, "int8_inputs", True) == (quantization != "w4a16") for m in [*blocks, model.lm_head])
     assert isinstance(model.lm_head, TiedLMHead) == tied
     # a tied head's matrix is the embedding: lookups read its int8 codes, and no float copy is kept
     assert model.model.embed_tokens.weight.is_meta == tied

@@ -13,12 +13,15 @@ from typing import Literal, get_args
 DEFAULT_MODEL = "smollm2-135m"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # the choices of --dtype and of EngineConfig.dtype
-Quantization = Literal["int8", "int4"]  # weight-only formats (layers/quant.py)
+# weight-only formats (layers/quant.py): int8 and int4 round the activations to int8 for integer dots (as
+# llama.cpp does); w4a16 keeps int4's codes (int8's for the head and 5-8-bit tensors) with the activations
+# as they are (csrc/quantized_matmul_a16.cpp)
+Quantization = Literal["int8", "int4", "w4a16"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # --quantization: "auto" runs a GGUF whose linears the file stores quantized through our integer kernels
 # (int4 mode: the file's codes, its 5-8-bit tensors at int8), where they run (CPU, bfloat16), as llama.cpp
 # serves the same file; anything else keeps its dtype. "none" forces the float path.
-QuantizationMode = Literal["auto", "none", "int8", "int4"]
+QuantizationMode = Literal["auto", "none", "int8", "int4", "w4a16"]
 QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)
 # Where the default sampling fields come from (--generation-config, as vLLM's): "auto" from the checkpoint,
 # "vllm" the neutral values of SamplingDefaults below (OpenAI's, and vLLM's own defaults).

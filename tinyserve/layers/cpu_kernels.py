@@ -6,7 +6,7 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
 - the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
   rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops;
 - matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp,
-  csrc/int8_channel_matmul.cpp):
+  csrc/int8_channel_matmul.cpp), and int4 and int8 with unrounded bfloat16 activations (csrc/quantized_matmul_a16.cpp):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix;
 - greedy decoding's argmax over the logits (csrc/row_argmax.cpp): torch's CPU argmax compares index by index;
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
             "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp",
-            "kv_write.cpp", "row_argmax.cpp")
+            "kv_write.cpp", "row_argmax.cpp", "quantized_matmul_a16.cpp")
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -173,6 +173,17 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mini
                 out_features: int) -> torch.Tensor:
     """x [tokens, in] bfloat16 times an int4 weight in layers/quant.py's layout -> [tokens, out]."""
     return _named("tinyserve::int4_matmul", load().int4_matmul, x, codes, scales, minimums, out_features)
+
+
+def w4a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                 out_features: int) -> torch.Tensor:
+    """int4_matmul with x unrounded: each weight widened to float32, float32 sums (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w4a16_matmul", load().w4a16_matmul, x, codes, scales, minimums, out_features)
+
+
+def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """int8_matmul with x unrounded (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w8a16_matmul", load().w8a16_matmul, x, codes, scales, out_features)
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:

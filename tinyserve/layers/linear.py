@@ -10,6 +10,8 @@ kernel or oneDNN (pack_linear_weights) and `--quantization` gives int codes (qua
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import Iterator
 
@@ -179,9 +181,11 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     faster from 64 rows, no worse in perplexity: docs/PERFORMANCE.md, "Prefill at the integer rate"), except
     where the file stores a matrix (or a merged one's shard) as Q8_0, whose own values Int8Weight keeps.
 
-    In int4 mode a Linear whose checkpoint stored it at more than 4 bits (`stored_bits`: a K-quant mix's
+    In int4 and w4a16 modes a Linear whose checkpoint stored it at more than 4 bits (`stored_bits`: a K-quant mix's
     Q5_0 / Q6_K / Q8_0 tensors) is quantized to int8 too: the file's own choice of precision per tensor,
     kept as llama.cpp keeps it. A float checkpoint made no such choice: its matrices all go to int4.
+
+    w4a16 stores what int4 stores; its kernels keep the activations unrounded (csrc/quantized_matmul_a16.cpp).
 
     Without our C++ kernels (logged by cpu_kernels) the weights become the dequantized values and run
     through the float path: the same model, slower.
@@ -197,8 +201,10 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
         fmt = _int_format(module, quantization)
         if not module.is_lm_head:
             num_linears += 1
-            num_kept_at_int8 += quantization == "int4" and fmt is Int8Weight
+            num_kept_at_int8 += quantization != "int8" and fmt is Int8Weight
         quantized, dequantized = fmt.quantize(module.weight.detach())
+        if quantization == "w4a16":  # the same codes; the activations stay unrounded
+            quantized = dataclasses.replace(quantized, int8_inputs=False)
         if not int_kernels:
             module.weight.data.copy_(dequantized)
         else:
@@ -210,8 +216,8 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
             owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
         yield
     if num_kept_at_int8:
-        logger.info("int4: %d of %d linears kept at int8 (the file stores them at 5-8 bits)",
-                    num_kept_at_int8, num_linears)
+        logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)",
+                    quantization, num_kept_at_int8, num_linears)
 
 
 def _int_format(module: Linear | TiedLMHead,

@@ -156,9 +156,11 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
         case Bf16Weight():
             out = cpu_kernels.bf16_matmul(x, weight.interleaved, weight.out_features)
         case Int4Weight():
-            out = cpu_kernels.int4_matmul(x, weight.codes, weight.scales, weight.minimums, weight.out_features)
+            matmul = cpu_kernels.int4_matmul if weight.int8_inputs else cpu_kernels.w4a16_matmul
+            out = matmul(x, weight.codes, weight.scales, weight.minimums, weight.out_features)
         case Int8Weight():
-            out = cpu_kernels.int8_matmul(x, weight.codes, weight.scales, weight.out_features)
+            matmul = cpu_kernels.int8_matmul if weight.int8_inputs else cpu_kernels.w8a16_matmul
+            out = matmul(x, weight.codes, weight.scales, weight.out_features)
         case Int8ChannelWeight():
             out = cpu_kernels.int8_channel_matmul(x, weight.codes, weight.scales, weight.out_features)
         case _:

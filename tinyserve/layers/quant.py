@@ -57,6 +57,7 @@ class Int8Weight:
     codes: torch.Tensor  # [blocks of 16 rows, in * 16] uint8: code + 128 (the kernel multiplies unsigned bytes)
     scales: torch.Tensor  # [blocks, groups * 16] float16
     out_features: int
+    int8_inputs: bool = True  # the kernel rounds the activations to int8 (int8_matmul), else not (w8a16_matmul)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
@@ -128,6 +129,7 @@ class Int4Weight:
     scales: torch.Tensor  # [blocks, groups * 16] float16
     minimums: torch.Tensor  # [blocks, groups * 16] float16
     out_features: int
+    int8_inputs: bool = True  # the kernel rounds the activations to int8 (int4_matmul), else not (w4a16_matmul)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:

@@ -21,6 +21,10 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 torch::Tensor int8_channel_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                   int64_t out_features);
 torch::Tensor row_argmax(const torch::Tensor& logits);
+torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           const torch::Tensor& minimums, int64_t out_features);
+torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           int64_t out_features);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_pool, torch::Tensor& value_pool,
               const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& key_scale,
@@ -42,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "K and V into their slots of the pool (an 8-bit pool's rounded, with a scale per row)",
         py::arg("key"), py::arg("value"), py::arg("key_pool"), py::arg("value_pool"), py::arg("slot_mapping"),
         py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+  m.def("w4a16_matmul", &w4a16_matmul, "x times an int4 weight, x as it is (float32 sums of widened weights)");
+  m.def("w8a16_matmul", &w8a16_matmul, "x times an int8 weight, x as it is (float32 sums of widened weights)");
   m.def("row_argmax", &row_argmax, "each row's first index of its largest value (NaN the largest), as torch.argmax");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }

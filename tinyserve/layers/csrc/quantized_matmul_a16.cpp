@@ -1,0 +1,117 @@
+// The int4 (GGUF Q4_1) and int8 (Q8_0) weights times unrounded bfloat16 activations (W4A16, W8A16):
+// out[t, n] = sum_k x[t, k] w[n, k], with per group of 32 inputs w = code * scale + minimum (int4) or
+// w = code * scale (int8), in Int4Weight's and Int8Weight's layouts (quantized_matmul.cpp describes them).
+//
+// Why: quantized_matmul.cpp rounds each group of 32 activations to int8 before its integer dot, as
+// llama.cpp does; that rounding moves a small model's logits enough to change its greedy answers
+// (docs/PERFORMANCE.md, "W4A16"). Here the activations stay as they are: each weight is widened in
+// registers to float32 (code * scale + minimum: one rounding; code * scale: exact) and multiplied into a
+// float32 sum per row and token.
+//
+// The numerics do not depend on the step's shape: each (token, row) sum runs over the inputs in the same
+// order whatever the number of tokens in the step or their tiling (the tokens of a pass share the widened
+// weights, not their sums), so a token's output is the same bits in a decode step of one, a batch of 64 or
+// a prefill chunk of 512 (tests/test_quant.py checks it).
+
+#include "row_blocks.h"
+
+#include <cmath>
+
+// Not -ffast-math here: it lets the compiler regroup a lane's chain of sums (for more instructions in
+// flight), and it regrouped them differently for one token than for eight, which made a token's output
+// depend on the step it was in. Products still fuse into FMAs (-ffp-contract=fast, GCC's default).
+#pragma GCC optimize("no-fast-math", "fp-contract=fast")
+
+namespace {
+
+using tinyserve::kRows;
+
+constexpr int kGroup = 32;
+
+template <int Bits>
+constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }  // int4: 4 chunks of 64 bytes; int8: 8
+
+// 16 lanes, one per row of a block, in GCC's vector extensions rather than one instruction set's intrinsics:
+// the compiler lowers them to one AVX-512 register or two AVX2 ones (or scalars), and every lane does the
+// same operations in the same order on each (a lane's sum never mixes with another's), so the kernel's
+// numerics are the same on every x86 CPU with FMA, and this file's tests exercise the path a machine runs.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load_halves(const at::Half* p) {
+  f32x16 v;
+  for (int l = 0; l < kRows; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
+
+// One block of 16 rows for T tokens (the first is t0): out[t * 16 + l] for row l. x is float32 [tokens, K].
+template <int Bits, int T>
+void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const float* x, int64_t k,
+           int64_t t0, float* out) {
+  constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
+  constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
+  f32x16 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = f32x16{};
+  const int64_t groups = k / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = codes + g * group_bytes<Bits>();
+    const f32x16 scale = load_halves(scales + g * kRows);
+    // int4: w = code * scale + minimum; int8: the codes are stored plus 128, so w = code * scale - 128 * scale
+    const f32x16 offset = Bits == 4 ? load_halves(minimums + g * kRows) : scale * -128.f;
+    for (int c = 0; c < kChunks; ++c) {
+      u32x16 bytes;  // lane l: row l's 4 bytes of chunk c
+      __builtin_memcpy(&bytes, group + c * 64, sizeof(bytes));
+      for (int i = 0; i < kPerChunk; ++i) {  // int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: 4c + i
+        const int shift = Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i;
+        const f32x16 w = __builtin_convertvector((bytes >> shift) & kMask, f32x16) * scale + offset;
+        const int64_t input = g * kGroup + kPerChunk * c + i;
+        for (int t = 0; t < T; ++t) acc[t] += x[(t0 + t) * k + input] * w;
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) __builtin_memcpy(out + t * kRows, &acc[t], sizeof(acc[t]));
+}
+
+template <int Bits>
+torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     const at::Half* minimums, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), name,
+              ": inputs must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [tokens, in] bfloat16");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              name, ": codes uint8, scales float16, contiguous, 2-d");
+  TORCH_CHECK(out_features >= 1 && x.size(1) >= kGroup, name, ": out_features must be >= 1 and in >= ", kGroup);
+  const int64_t tokens = x.size(0), k = x.size(1), n = out_features, blocks = (n + kRows - 1) / kRows;
+  TORCH_CHECK(k % kGroup == 0 && codes.size(0) == blocks && codes.size(1) == k / kGroup * group_bytes<Bits>() &&
+                  scales.size(0) == blocks && scales.size(1) == k / kGroup * kRows,
+              name, ": shapes do not match");
+  TORCH_CHECK(tokens >= 1, name, ": no tokens");
+  const auto xf = x.to(at::kFloat).contiguous();  // exact: bfloat16 is float32's top half
+  auto out = torch::empty({tokens, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  const int64_t groups = k / kGroup;
+  tinyserve::for_row_blocks(n, tokens, out.data_ptr<c10::BFloat16>(), [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
+    block<Bits, decltype(tokens_in_pass)::value>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
+                                                 minimums == nullptr ? nullptr : minimums + b * groups * kRows,
+                                                 xp, k, t0, o);
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           const torch::Tensor& minimums, int64_t out_features) {
+  TORCH_CHECK(minimums.device().is_cpu() && minimums.scalar_type() == at::kHalf && minimums.is_contiguous() &&
+                  minimums.sizes() == scales.sizes(),
+              "w4a16_matmul: minimums float16, contiguous, shaped as the scales");
+  return matmul<4>("w4a16_matmul", x, codes, scales, minimums.data_ptr<at::Half>(), out_features);
+}
+
+torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           int64_t out_features) {
+  return matmul<8>("w8a16_matmul", x, codes, scales, nullptr, out_features);
+}
