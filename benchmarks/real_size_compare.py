@@ -5,7 +5,8 @@
 For each file and each run, each server in turn is started (never two at once), and measured:
 - ready: seconds from starting the process to the first 200 on /health (tinyserve answers 503 until its
   warm-up has run; llama-server until the model is loaded);
-- workload A: 1 stream, 128 prompt tokens in, 128 out (`ignore_eos`), 4 requests after one warm-up: TPOT p50;
+- workload A: 1 stream, 128 prompt tokens in, 128 out (`ignore_eos`), 2 requests (both
+  servers have warmed up before /health says 200): TPOT p50;
 - workload B: 16 streams at once, 256 in, 128 out, 16 requests: output tok/s, TTFT p50 and p99;
 - peak resident memory: the sum over the server's process tree of each process's VmHWM (/proc/PID/status,
   file-backed pages included), polled every POLL_S while it runs.
@@ -43,8 +44,7 @@ POLL_S = 0.25
 READY_TIMEOUT_S = 900
 BENCH_TIMEOUT_S = 1800
 WORKLOADS = {  # name -> tinyserve bench serve arguments
-    "A": ["--max-concurrency", "1", "--num-prompts", "4", "--num-warmups", "1", "--input-len", "128",
-          "--output-len", "128"],
+    "A": ["--max-concurrency", "1", "--num-prompts", "2", "--input-len", "128", "--output-len", "128"],
     "B": ["--max-concurrency", "16", "--num-prompts", "16", "--input-len", "256", "--output-len", "128"],
 }
 
@@ -122,15 +122,14 @@ def wait_ready(port: int, proc: subprocess.Popen, start: float, timeout_s: float
 
 
 def run_workload(name: str, port: int, model: Path, result_file: Path) -> dict:
-    """One `tinyserve bench serve` run; its summary line (the last JSON line it prints)."""
+    """One `tinyserve bench serve` run; the metrics of its result file (ttft_ms, tpot_ms: median, p99, ...)."""
     command = [sys.executable, "-m", "tinyserve.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                "--tokenizer", str(model), "--ignore-eos", "--no-progress", "--seed", "0",
                "--result-file", str(result_file), *WORKLOADS[name]]
     out = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S, cwd=ROOT)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
+    if out.returncode != 0 or not result_file.exists():
         raise RuntimeError(f"bench serve {name} failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return json.loads(result_file.read_text())["metrics"]
 
 
 @dataclasses.dataclass
@@ -166,9 +165,9 @@ def measure(server: str, model: Path, port: int, limit_kib: int, tag: str) -> Ru
             return run
         a = run_workload("A", port, model, LOG_DIR / f"{tag}-A.json")
         b = run_workload("B", port, model, LOG_DIR / f"{tag}-B.json")
-        run.a_tpot_p50_ms, run.b_output_tok_s = a["tpot_median_ms"], b["output_throughput"]
-        run.b_ttft_p50_ms, run.b_ttft_p99_ms = b["ttft_median_ms"], b["p99_ttft_ms"]
-        run.failed = a["failed"] + b["failed"]
+        run.a_tpot_p50_ms, run.b_output_tok_s = a["tpot_ms"]["median"], b["output_throughput"]
+        run.b_ttft_p50_ms, run.b_ttft_p99_ms = b["ttft_ms"]["median"], b["ttft_ms"]["p99"]
+        run.failed = a["num_failed"] + b["num_failed"]
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         run.note = f"error: {str(exc)[-300:]}"
     finally:
@@ -241,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real-size.json",
                         help="JSON of every run; runs already there are kept and the table covers them all")
     args = parser.parse_args(argv)
+    # NOTE: a SIGTERM (a `timeout` around this script) must stop the server too: it runs in its own session
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     limit_kib = int(args.rss_limit_gib * 2**20)
     runs = [Run(**r) for r in json.loads(args.out.read_text())["runs"]] if args.out.exists() else []
     for model in args.files:
