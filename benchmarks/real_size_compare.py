@@ -197,7 +197,8 @@ HEADER = ["file", "server", "runs", "ready s", "peak RSS MiB", "A: TPOT p50 ms",
           "B: TTFT p99 ms", "failed", "note"]
 
 
-def cell(values: list[float]) -> str:
+def cell(values: list[float | None]) -> str:
+    values = [v for v in values if v is not None]  # a figure a run did not record
     if not values:
         return "-"
     fmt = lambda v: f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"  # noqa: E731
