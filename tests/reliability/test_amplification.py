@@ -38,6 +38,7 @@ VERSION_PROBE_INTERVAL_S = 0.010
 VERSION_PROBE_LIMIT_S = 0.100
 RSS_GROWTH_LIMIT = 200 * MIB
 MAX_PROMPTS, MAX_MESSAGES, MAX_SAMPLES = 64, 1024, 256  # documented limits (max_queue's default for samples)
+MAX_N = 32  # --max-n's default: half of the tiny server's 64 seats
 PROBE_BODY = {"prompt": "Count:", "max_tokens": 100, "ignore_eos": True, "stream": True, "temperature": 0.0}
 HI = {"role": "user", "content": "hi"}
 
@@ -240,7 +241,8 @@ OVER_LIMITS = {  # name: (path, body, param, the cap its message states)
     "logit_bias": ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
                    "logit_bias", MAX_LOGIT_BIAS),
     "n": ("/v1/chat/completions", {"messages": [HI], "n": 129}, "n", 128),
-    "prompts_x_n": ("/v1/completions", {"prompt": ["a", "b", "c"], "n": MAX_SAMPLES // 3 + 1}, "n", MAX_SAMPLES),
+    "n_per_request": ("/v1/chat/completions", {"messages": [HI], "n": MAX_N + 1}, "n", MAX_N),
+    "prompts_x_n": ("/v1/completions", {"prompt": ["a"] * 9, "n": MAX_SAMPLES // 9 + 1}, "n", MAX_SAMPLES),
 }
 
 
@@ -260,9 +262,9 @@ def test_a_body_at_every_cap_is_served(tiny_server_factory):
     at_caps = {"stop": stops, "stop_token_ids": list(range(VOCAB - MAX_STOP_TOKEN_IDS, VOCAB)),
                "logit_bias": {str(i): 0.5 for i in range(MAX_LOGIT_BIAS)}, "max_tokens": 2, "min_tokens": 2}
     completion = {"prompt": [[1, 2]] * MAX_PROMPTS, "n": MAX_SAMPLES // MAX_PROMPTS, **at_caps}
-    chat = {"messages": [{"role": "user", "content": ""}] * MAX_MESSAGES, "n": 128, **at_caps}
+    chat = {"messages": [{"role": "user", "content": ""}] * MAX_MESSAGES, "n": MAX_N, **at_caps}
     with tiny_server_factory(max_model_len=8192) as server:
-        for path, body, num_choices in (("/v1/completions", completion, MAX_SAMPLES), ("/v1/chat/completions", chat, 128)):
+        for path, body, num_choices in (("/v1/completions", completion, MAX_SAMPLES), ("/v1/chat/completions", chat, MAX_N)):
             response = httpx.post(server.base_url + path, json=body, timeout=120)
             assert response.status_code == 200, f"{path}: {response.text[:500]}"
             choices = response.json()["choices"]
