@@ -306,7 +306,11 @@ def test_health_follows_loading_and_draining_and_sigterm_drains_grpc_calls():
     proc = subprocess.Popen([*SERVE, "--port", str(port), "--grpc-port", str(grpc_port), "--shutdown-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        # reconnect every 50 ms: grpcio's default backoff (1 s, growing) can outlast a quick load, and the
+        # first Check would then come after it, SERVING
+        options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                   ("grpc.max_reconnect_backoff_ms", 50)]
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=options) as channel:
             health, stub = health_pb2_grpc.HealthStub(channel), tinyserve_pb2_grpc.TinyServeStub(channel)
             seen = _health_until_serving(health, proc)
             assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING, seen  # while loading
