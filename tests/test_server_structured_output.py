@@ -287,6 +287,20 @@ def test_a_grammar_deep_enough_to_crash_the_compile_is_a_quick_400_and_the_serve
     _assert_alive(server)
 
 
+@pytest.mark.parametrize("field, param", [("guided_json", "guided_json"),
+                                           ("json_schema", "json_schema")])
+def test_a_schema_given_as_json_text_nested_past_the_parser_is_a_400(server, field, param):
+    """Found by the gRPC fuzz: a schema sent as a string (gRPC's guided_json is text) nested 3,000 deep made
+    json.loads raise RecursionError, a 500."""
+    deep = '{"type": "array", "items": ' * 3000 + '{"type": "integer"}' + "}" * 3000
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: deep},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_grammar", param) and "nested too deeply" in error["message"]
+    _assert_alive(server)
+
+
 @pytest.mark.parametrize("fields, limit", [
     ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "MAX_REGEX_EXPANSION"),
     ({"structured_outputs": {"choice": [f"w{i}" for i in range(10_000)]}}, "MAX_ALTERNATIVES"),

@@ -126,14 +126,20 @@ def _structured_outputs_spec(value: StructuredOutputsField) -> StructuredOutput:
 
 
 def _json_schema_spec(value: Any, param: str) -> StructuredOutput:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise BadRequest(f"{param}: a JSON schema must be a JSON object (or its JSON text)", param=param) from None
-    if not isinstance(value, (dict, bool)):
-        raise BadRequest(f"{param}: a JSON schema must be a JSON object", param=param)
-    return _text_spec("json_schema", json.dumps(value), param)
+    try:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise BadRequest(f"{param}: a JSON schema must be a JSON object (or its JSON text)",
+                                 param=param) from None
+        if not isinstance(value, (dict, bool)):
+            raise BadRequest(f"{param}: a JSON schema must be a JSON object", param=param)
+        text = json.dumps(value)
+    except RecursionError:  # JSON text nested past the parser's depth (gRPC's guided_json, or a string field)
+        raise BadRequest(f"{param}: the JSON schema is nested too deeply", param=param,
+                         code="invalid_grammar") from None
+    return _text_spec("json_schema", text, param)
 
 
 def _choice_spec(value: Any, param: str) -> StructuredOutput:
