@@ -12,7 +12,8 @@ import gguf
 import httpx
 import pytest
 
-from tinyserve.cli import build_parser, engine_config_from_args
+from tinyserve.cli import build_parser
+from tinyserve.cli_engine import engine_config_from_args
 from tinyserve.config import (LLAMA_CPP_SAMPLING_DEFAULTS, CacheConfig, EngineConfig, SamplingDefaults, SchedulerConfig,
                               ServerConfig)
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults

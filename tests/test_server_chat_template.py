@@ -11,7 +11,8 @@ import jinja2
 import pytest
 from test_gemma3_gguf import tiny_gemma3, write_gemma3_gguf
 
-from tinyserve.cli import build_parser, engine_config_from_args
+from tinyserve.cli import build_parser
+from tinyserve.cli_engine import engine_config_from_args
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.loader.errors import ModelLoadError

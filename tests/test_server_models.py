@@ -288,7 +288,8 @@ def test_admin_api_needs_the_key_and_a_known_model(folders):
 
 
 def test_serve_flags_name_several_models():
-    from tinyserve.cli import build_parser, engine_config_from_args, server_config_from_args
+    from tinyserve.cli import build_parser, server_config_from_args
+    from tinyserve.cli_engine import engine_config_from_args
 
     args = build_parser().parse_args(["serve", "--model", "a=/m/one.gguf", "--model", "/m/two", "--max-loaded-models",
                                       "1", "--idle-unload", "30", "--memory-budget", "4"])

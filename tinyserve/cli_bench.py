@@ -9,9 +9,8 @@ from pathlib import Path
 
 from tinyserve.bench.config import (DATASET_NAMES, DEFAULT_OUTPUT_LEN, PERCENTILE_METRICS, DatasetConfig,
                                     OFFLINE_DTYPE, OfflineBenchConfig, ServeBenchConfig, SweepConfig)
+from tinyserve.cli_engine import LOG_LEVELS, add_engine_args, engine_config_from_args
 from tinyserve.config import DEFAULT_MODEL
-
-LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def _bench_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -119,8 +118,6 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from tinyserve.bench.commands import bench_offline
 
-    from tinyserve.cli import engine_config_from_args
-
     config = OfflineBenchConfig(
         engine_config_from_args(args), num_prompts=args.num_prompts,
         input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
@@ -130,7 +127,6 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub) -> None:
-    from tinyserve.cli import add_engine_args  # cli.py, fully imported by now, calls this
     bench = sub.add_parser("bench", help="benchmark a server (serve, sweep) or the engine alone (offline)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     serve = kinds.add_parser("serve", help="load-test any OpenAI-compatible server with streamed requests")
