@@ -1,5 +1,5 @@
 """RequestStream's bounded buffer: when a lagging reader pauses its request and when it resumes, with a
-recording stand-in for the AsyncEngine (the stream only calls set_paused and _close_stream on it)."""
+recording stand-in for the AsyncEngine (a StreamOwner: the stream only calls set_paused and close_stream on it)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class _RecordingEngine:
     def set_paused(self, request_id: str, paused: bool) -> None:
         self.pauses.append(paused)
 
-    def _close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None:
+    def close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None:
         self.closed.append((request_id, finished))
 
 

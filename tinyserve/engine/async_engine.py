@@ -202,7 +202,9 @@ class AsyncEngine:
         never wait for it; InvalidRequest if it cannot be compiled."""
         await asyncio.to_thread(self.engine.structured_outputs.compile, spec)
 
-    def _close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None:
+    def close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None:
+        """A stream is done with (RequestStream.close or .cancel): forget it; abort its request unless
+        `finished`."""
         with self._streams_lock:
             entry = self._streams.pop(request_id, None)
         if entry is not None and not finished:

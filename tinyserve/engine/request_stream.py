@@ -11,15 +11,22 @@ loop at once, without waiting for the engine thread, so deadlines hold even whil
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tinyserve.types import FinishReason, RequestOutput
 
-if TYPE_CHECKING:
-    from tinyserve.engine.async_engine import AsyncEngine
-
 STREAM_HIGH_WATER = 16  # buffered outputs per sample before the request is paused
 STREAM_LOW_WATER = 4  # ... and resumed
+
+
+class StreamOwner(Protocol):
+    """The engine that feeds a stream (AsyncEngine), as the stream sees it: it pauses and resumes the
+    request there, and tells it when the stream closes (`finished`: every sample got its final output;
+    otherwise the request is aborted with `reason`)."""
+
+    def set_paused(self, request_id: str, paused: bool) -> None: ...
+
+    def close_stream(self, request_id: str, finished: bool, reason: FinishReason = FinishReason.ABORT) -> None: ...
 
 
 class RequestStream:
@@ -31,7 +38,7 @@ class RequestStream:
     Invariant: the consumer sees exactly one final output per sample, from the engine or from `cancel()`.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, n: int, num_prompts: int = 1):
+    def __init__(self, engine: StreamOwner, request_id: str, n: int, num_prompts: int = 1):
         self._engine, self.request_id = engine, request_id
         self._queue: asyncio.Queue = asyncio.Queue()
         self._samples = [(p, i) for p in range(num_prompts) for i in range(n)]  # (prompt_index, index)
@@ -89,7 +96,7 @@ class RequestStream:
         blocks are freed when the engine thread gets there)."""
         if self._is_cancelled:
             return
-        self._engine._close_stream(self.request_id, finished=False, reason=reason)
+        self._engine.close_stream(self.request_id, finished=False, reason=reason)
         for prompt_index, index in self._samples:
             if (prompt_index, index) not in self._finals_queued:
                 self._queue.put_nowait(RequestOutput(self.request_id, index, "", [], reason,
@@ -98,4 +105,4 @@ class RequestStream:
         self._is_cancelled = True
 
     def close(self) -> None:
-        self._engine._close_stream(self.request_id, finished=not self._remaining)
+        self._engine.close_stream(self.request_id, finished=not self._remaining)

@@ -15,7 +15,7 @@ A piece that waits for a read on the load's I/O thread (loader/file_reads.py) yi
 then steps the engines (or, with none busy, sleeps until the read ends or work comes) instead of spending
 its slice on the wait, so a read that stalls costs the other models nothing.
 
-Isolation: a step that raises marks only its engine dead (AsyncEngine._fail) and the loop goes on with
+Isolation: a step that raises marks only its engine dead (AsyncEngine.run_once) and the loop goes on with
 the others; a job that raises fails its own future; a step that hangs holds the thread, so every engine
 on it waits (the watchdog of the hung one fails its streams).
 """
@@ -26,12 +26,12 @@ import concurrent.futures
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tinyserve.types import Job
 
 if TYPE_CHECKING:
-    from tinyserve.engine.async_engine import AsyncEngine
+    from tinyserve.engine.llm_engine import LLMEngine
 
 # A job's time per round while engines have work: what it adds to their step interval (docs/PERFORMANCE.md,
 # "Several models": the time-to-first-token of requests during a swap, and how long the swap takes).
@@ -39,6 +39,21 @@ JOB_SLICE_S = 0.05
 # While idle, an engine with tensor / pipeline parallel ranks checks on them this often, so that a lost rank
 # fails the engine (and /health) within about this long even when no request is running.
 KEEP_ALIVE_S = 1.0
+
+
+class SteppedEngine(Protocol):
+    """An engine attached to a StepLoop (AsyncEngine), as the loop sees it. The loop calls `has_work` and
+    `mark_idle` holding `wake`, `run_once` on its thread (False: the engine stopped or failed, and leaves
+    the loop), and sets `detached` once it no longer steps the engine."""
+
+    engine: LLMEngine  # its has_ranks: an idle engine with other ranks is still checked on
+    detached: threading.Event
+
+    def has_work(self) -> bool: ...
+
+    def mark_idle(self, now: float) -> None: ...
+
+    def run_once(self) -> bool: ...
 
 
 class StepLoop:
@@ -50,7 +65,7 @@ class StepLoop:
     def __init__(self, name: str = "tinyserve-engine", is_private: bool = False):
         self.wake = threading.Condition()
         self.is_private = is_private
-        self._engines: list[AsyncEngine] = []
+        self._engines: list[SteppedEngine] = []
         self._jobs: deque[tuple[Job, concurrent.futures.Future]] = deque()  # the first one is in progress
         self._is_stopping = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -67,7 +82,7 @@ class StepLoop:
             self.wake.notify()
         return future
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: SteppedEngine) -> None:
         with self.wake:
             self._engines.append(engine)
             self.wake.notify()
@@ -180,7 +195,7 @@ class StepLoop:
             return True, None
         return False, waiting_on
 
-    def _detach(self, engine: AsyncEngine) -> None:
+    def _detach(self, engine: SteppedEngine) -> None:
         with self.wake:
             if engine in self._engines:
                 self._engines.remove(engine)
