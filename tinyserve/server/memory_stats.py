@@ -2,15 +2,15 @@
 it into series): the process's resident set and limit, CUDA device memory, and per loaded model its
 weight and KV-pool bytes, its KV blocks and whether its engine runs. Reads only what is already
 published (sizes measured at load, the engine's newest EngineStats), so a scrape costs the step loop
-nothing, and answers while models load (with what it knows)."""
+nothing, and answers while models load (with what it knows). The models' rows come from the registry
+that holds them (ModelRegistry.memory_snapshot), so this module, which metrics.py reads, knows no slot."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tinyserve.engine.process_memory import DeviceMemory, device_memory, memory_limit_bytes, process_rss_bytes
-from tinyserve.server.model_slot import ModelSlot
+from tinyserve.engine.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,12 @@ class ModelMemory:
     num_cached_blocks: int  # hold a prefix-cache hash (used or free): reusable without recompute
     is_alive: bool  # the engine steps (not dead, not stopped)
 
+    @classmethod
+    def from_stats(cls, model_name: str, weight_bytes: int, kv_bytes: int, stats: EngineStats,
+                   is_alive: bool) -> ModelMemory:
+        return cls(model_name, weight_bytes, kv_bytes, stats.num_blocks, stats.num_blocks - stats.num_free_blocks,
+                   stats.num_free_blocks, stats.num_cached_blocks, is_alive)
+
 
 @dataclass(frozen=True)
 class MemorySnapshot:
@@ -33,14 +39,6 @@ class MemorySnapshot:
     models: list[ModelMemory]
 
 
-def memory_snapshot(slots: Iterable[ModelSlot]) -> MemorySnapshot:
-    models = []
-    for slot in slots:
-        loaded = slot.current
-        if loaded is None:
-            continue
-        stats = loaded.engine.stats
-        models.append(ModelMemory(slot.name, loaded.weight_bytes, loaded.kv_bytes, stats.num_blocks,
-                                  stats.num_blocks - stats.num_free_blocks, stats.num_free_blocks,
-                                  stats.num_cached_blocks, loaded.engine.is_alive))
+def memory_snapshot(models: list[ModelMemory]) -> MemorySnapshot:
+    """The process's and the devices' numbers now, with the loaded models' rows."""
     return MemorySnapshot(process_rss_bytes(), memory_limit_bytes(), device_memory(), models)

@@ -26,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tinyserve.engine.stats import EngineStats, LoopStats, SpecDecodeStats
 from tinyserve.types import FinishReason, RequestOutput
 
-if TYPE_CHECKING:  # server/memory_stats.py imports the model slots, which import this module
+if TYPE_CHECKING:  # only the type: server/memory_stats.py's gathering reads torch's device memory
     from tinyserve.server.memory_stats import MemorySnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -25,7 +25,7 @@ from pathlib import Path
 from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.errors import APIError, NotFound, ServiceUnavailable
-from tinyserve.server.memory_stats import memory_snapshot
+from tinyserve.server.memory_stats import MemorySnapshot, ModelMemory, memory_snapshot
 from tinyserve.server.metrics import MetricSet
 from tinyserve.server.model_slot import LoadedModel, ModelSlot
 
@@ -66,7 +66,7 @@ class ModelRegistry:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig,
                  engine_factory: Callable[[EngineConfig], object] | None = None):
         self.engine_config, self.config = engine_config, config
-        self.metric_set = MetricSet(self._loaded_stats, get_memory=lambda: memory_snapshot(self.slots))
+        self.metric_set = MetricSet(self._loaded_stats, get_memory=self.memory_snapshot)
         self._engine_factory = engine_factory
         self._step_loop: StepLoop | None = None  # started with the first load
         self.slots: list[ModelSlot] = []
@@ -91,6 +91,16 @@ class ModelRegistry:
                          self._loop, self._engine_factory)
         self.slots.append(slot)
         self._by_name.update({name: slot for name in names})
+
+    def memory_snapshot(self) -> MemorySnapshot:
+        """/metrics' memory numbers (server/memory_stats.py): the process's, and each loaded model's."""
+        models = []
+        for slot in self.slots:
+            loaded = slot.current
+            if loaded is not None:
+                models.append(ModelMemory.from_stats(slot.name, loaded.weight_bytes, loaded.kv_bytes,
+                                                     loaded.engine.stats, loaded.engine.is_alive))
+        return memory_snapshot(models)
 
     def _loop(self) -> StepLoop:
         if self._step_loop is None:
