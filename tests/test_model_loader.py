@@ -1,5 +1,6 @@
 """--quantization's modes (loader/model_loader.py, resolve_quantization): "auto" serves a GGUF stored
-quantized through our int kernels, keeps anything else in its dtype; "none" forces the float path."""
+quantized through our kernels from its own codes (int4 at bfloat16, w4a16 at float32 by --dtype auto), keeps
+anything else in its dtype; "none" and an explicit --dtype float32 keep the float path."""
 
 from collections import Counter
 
@@ -9,6 +10,7 @@ import torch
 from tinyserve.config import EngineConfig
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead, can_pack
+from tinyserve.loader import model_loader
 from tinyserve.loader.model_loader import load_model, resolve_quantization
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -33,11 +35,26 @@ def test_explicit_modes_are_taken_as_they_are():
 
 
 @needs_int_kernels
-def test_auto_runs_int_kernels_only_for_a_quantized_file_in_bfloat16_on_cpu():
+def test_auto_runs_our_kernels_only_for_a_quantized_file_on_cpu():
     assert resolve_quantization("auto", True, torch.bfloat16, CPU) == "int4"
     assert resolve_quantization("auto", False, torch.bfloat16, CPU) is None  # a float checkpoint
-    assert resolve_quantization("auto", True, torch.float32, CPU) is None  # the exact reference
-    assert resolve_quantization("auto", True, torch.bfloat16, CUDA) is None  # our int kernels are CPU's
+    # --dtype auto at float32 (a CPU without fast bfloat16): the file's codes, float32 activations
+    assert resolve_quantization("auto", True, torch.float32, CPU) == "w4a16"
+    assert resolve_quantization("auto", False, torch.float32, CPU) is None
+    assert resolve_quantization("auto", True, torch.float32, CPU, dtype_flag="float32") is None  # the reference
+    assert resolve_quantization("auto", True, torch.bfloat16, CUDA) is None  # our kernels are CPU's
+
+
+@needs_int_kernels
+def test_float32_by_dtype_auto_serves_the_file_s_codes(monkeypatch):
+    """Where --dtype auto is float32, the default model is held in its file's formats and computes with
+    float32 activations: Q4_1 block linears as int4, the Q8_0 embedding as the tied int8 head."""
+    monkeypatch.setattr(model_loader, "resolve_dtype", lambda dtype, device: torch.float32)  # a CPU without bf16
+    loaded = load_model("smollm2-135m", "auto", "cpu", "auto")
+    assert loaded.quantization == "w4a16"
+    assert _formats(loaded.model) == Counter({"Int4Weight": 120, "Int8Weight": 1})
+    assert not any(m.weight_format.int8_inputs for m in loaded.model.modules() if isinstance(m, (Linear, TiedLMHead)))
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters() if p.is_floating_point())
 
 
 @needs_int_kernels

@@ -198,7 +198,7 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
     int_kernels = ops.has_cpu_kernels()
     num_linears = num_kept_at_int8 = 0
     for module in _dense_heads_and_linears(model):
-        fmt = _int_format(module, quantization)
+        fmt = quantized_format(module, quantization)
         if not module.is_lm_head:
             num_linears += 1
             num_kept_at_int8 += quantization != "int8" and fmt is Int8Weight
@@ -220,8 +220,11 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
                     quantization, num_kept_at_int8, num_linears)
 
 
-def _int_format(module: Linear | TiedLMHead,
-                quantization: str) -> type[Int4Weight] | type[Int8Weight] | type[Int8ChannelWeight]:
+QuantizedFormat = type[Int4Weight] | type[Int8Weight] | type[Int8ChannelWeight]
+
+
+def quantized_format(module: Linear | TiedLMHead, quantization: str) -> QuantizedFormat:
+    """The format `quantization` gives the module's matrix (quantize_linear_weights says why)."""
     if module.is_lm_head or module.stored_bits == 8:  # the head; Q8_0 in the file: its own values
         return Int8Weight
     if quantization == "int8":

@@ -51,6 +51,55 @@ def _grouped(weight: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class GroupCodes:
+    """A matrix's codes per group of 32 inputs, before the kernels' interleaving: the formats' common form,
+    which a file's Q4_0 / Q4_1 / Q8_0 blocks convert to without any float (loader/gguf_blocks.py) and
+    float weights quantize to (int4_group_codes, int8_group_codes), a block of rows at a time.
+
+    4 bits (Q4_1's rule): w = code * scale + minimum, code 0..15. 8 bits (Q8_0's): w = (code - 128) * scale,
+    the code stored plus 128 in a byte (the kernels multiply unsigned bytes); minimums None."""
+
+    bits: int
+    codes: torch.Tensor  # [rows, in] uint8
+    scales: torch.Tensor  # [rows, in / 32] float16
+    minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 bits), None (8 bits)
+
+    def dequantized(self) -> torch.Tensor:
+        """The values the codes stand for, float32 [rows, in], as the kernels compute them."""
+        rows, in_features = self.codes.shape
+        groups = self.codes.reshape(rows, in_features // GROUP, GROUP).float()
+        scale = self.scales.float()[..., None]
+        if self.minimums is None:
+            return ((groups - 128) * scale).reshape(rows, in_features)
+        return (groups * scale + self.minimums.float()[..., None]).reshape(rows, in_features)
+
+
+def int8_group_codes(weight: torch.Tensor) -> GroupCodes:
+    """Q8_0's rule per group of 32 inputs: scale = max |w| / 127, code = round(w / scale)."""
+    groups = _grouped(weight)
+    scale = (groups.abs().amax(dim=-1) / 127).to(torch.float16)
+    codes = torch.round(groups / scale.float().clamp(min=_TINY)[..., None]).clamp(-127, 127)
+    stored = (codes.to(torch.int32) + 128).to(torch.uint8).reshape(weight.shape)
+    return GroupCodes(8, stored, scale, None)
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1's rule per group of 32 inputs: minimum = the group's min, scale = (max - min) / 15,
+    code = round((w - minimum) / scale). Returns codes [out, in] int32, scale and minimum [out, groups]."""
+    groups = _grouped(weight)
+    minimum = groups.amin(dim=-1, keepdim=True)
+    scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).clamp(min=_TINY)
+    codes = torch.round((groups - minimum) / scale).clamp(0, 15).to(torch.int32).reshape(weight.shape)
+    return codes, scale.squeeze(-1), minimum.squeeze(-1)
+
+
+def int4_group_codes(weight: torch.Tensor) -> GroupCodes:
+    """int4_codes with the scale and minimum rounded to float16, as Int4Weight keeps them."""
+    codes, scale, minimum = int4_codes(weight)
+    return GroupCodes(4, codes.to(torch.uint8), scale.to(torch.float16), minimum.to(torch.float16))
+
+
+@dataclass(frozen=True)
 class Int8Weight:
     """Symmetric int8 per group of 32 inputs (Q8_0): w = code * scale, code in [-127, 127]."""
 
@@ -62,14 +111,17 @@ class Int8Weight:
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
         """The quantized weight and its dequantized values (float32)."""
-        groups = _grouped(weight)
-        scale = (groups.abs().amax(dim=-1) / 127).to(torch.float16)
-        divisor = scale.float().clamp(min=_TINY)[..., None]
-        codes = torch.round(groups / divisor).clamp(-127, 127)
-        dequantized = (codes * scale.float()[..., None]).reshape(weight.shape)
-        stored = (codes.to(torch.int32) + 128).to(torch.uint8)  # the kernel multiplies unsigned bytes
-        packed, (scales,) = kernel_layout(stored.reshape(*groups.shape[:2], -1, 4), [scale])
-        return cls(packed, scales, weight.shape[0]), dequantized
+        codes = int8_group_codes(weight)
+        return cls.from_codes(codes), codes.dequantized()
+
+    @classmethod
+    def from_codes(cls, codes: GroupCodes) -> Int8Weight:
+        """The kernel's layout of 8-bit group codes (a file's Q8_0 blocks, or int8_group_codes')."""
+        if codes.bits != 8:
+            raise ValueError(f"Int8Weight takes 8-bit codes, got {codes.bits}-bit")
+        rows, in_features = codes.codes.shape
+        packed, (scales,) = kernel_layout(codes.codes.reshape(rows, in_features // GROUP, -1, 4), [codes.scales])
+        return cls(packed, scales, rows)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout."""
@@ -111,16 +163,6 @@ class Int8ChannelWeight:
         return cls(packed, scales.flatten(), out_features), dequantized
 
 
-def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1's rule per group of 32 inputs: minimum = the group's min, scale = (max - min) / 15,
-    code = round((w - minimum) / scale). Returns codes [out, in] int32, scale and minimum [out, groups]."""
-    groups = _grouped(weight)
-    minimum = groups.amin(dim=-1, keepdim=True)
-    scale = ((groups.amax(dim=-1, keepdim=True) - minimum) / 15).clamp(min=_TINY)
-    codes = torch.round((groups - minimum) / scale).clamp(0, 15).to(torch.int32).reshape(weight.shape)
-    return codes, scale.squeeze(-1), minimum.squeeze(-1)
-
-
 @dataclass(frozen=True)
 class Int4Weight:
     """Asymmetric int4 per group of 32 inputs (Q4_1): w = code * scale + minimum, code in [0, 15]."""
@@ -134,23 +176,31 @@ class Int4Weight:
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
         """The quantized weight and its dequantized values (float32)."""
-        codes, scale, minimum = int4_codes(weight)
-        scale, minimum = scale.to(torch.float16), minimum.to(torch.float16)
-        out_features, in_features = codes.shape
-        groups = codes.reshape(out_features, in_features // GROUP, GROUP)
-        dequantized = (groups * scale.float()[..., None] + minimum.float()[..., None]).reshape(codes.shape)
+        codes = int4_group_codes(weight)
+        return cls.from_codes(codes), codes.dequantized()
+
+    @classmethod
+    def from_codes(cls, codes: GroupCodes) -> Int4Weight:
+        """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
+        if codes.bits != 4 or codes.minimums is None:
+            raise ValueError(f"Int4Weight takes 4-bit codes with minimums, got {codes.bits}-bit")
+        out_features, in_features = codes.codes.shape
         # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
-        nibbles = groups.reshape(out_features, -1, 4, 2, 4)
-        chunks = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).to(torch.uint8)
-        packed, (scales, minimums) = kernel_layout(chunks, [scale, minimum])
-        return cls(packed, scales, minimums, out_features), dequantized
+        nibbles = codes.codes.reshape(out_features, -1, 4, 2, 4)
+        chunks = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+        packed, (scales, minimums) = kernel_layout(chunks, [codes.scales, codes.minimums])
+        return cls(packed, scales, minimums, out_features)
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:
+    """int4 and int8 run on CPU at bfloat16 (their kernels round the activations to int8 from bfloat16);
+    w4a16 at bfloat16 or float32 (its kernels widen the weights to float32 and take either)."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        raise ValueError(f"quantization {quantization!r} runs on CPU with dtype bfloat16 (or auto), "
+    dtypes = (torch.bfloat16, torch.float32) if quantization == "w4a16" else (torch.bfloat16,)
+    if device.type != "cpu" or dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"quantization {quantization!r} runs on CPU with dtype {names} (or auto), "
                          f"got {device.type} and {dtype}")

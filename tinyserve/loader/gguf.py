@@ -18,6 +18,8 @@ import torch
 
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
+from tinyserve.layers.quant import GroupCodes
+from tinyserve.loader.gguf_blocks import CODE_BITS, group_codes
 from tinyserve.loader.gguf_file import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import NamedTensor, TensorSource
@@ -259,6 +261,17 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
         def read_rows(start: int, stop: int, fetch=fetch, decode=decode) -> torch.Tensor:
             return decode(fetch((start, stop)), (start, stop))
 
+        code_bits = CODE_BITS.get(tensor.tensor_type)
+        decode_codes = None if code_bits is None else partial(_decode_codes, tensor, num_heads)
         # the norms and the permuted Q/K are read whole: only other matrices are read by blocks of rows
         rows = read_rows if num_heads is None and not shift else None
-        yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type), fetch, decode)
+        yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type), fetch, decode,
+                                    code_bits, decode_codes, partial(reader.release, tensor))
+
+
+def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray,
+                  rows: tuple[int, int] | None) -> GroupCodes:
+    """The group codes of the tensor's rows in `data` (_fetch's bytes), Q/K rows unpermuted as _dequantize's."""
+    if num_heads is not None:
+        data = _unpermute_rope_rows(data, num_heads)
+    return group_codes(tensor.name, tensor.tensor_type, data)

@@ -51,6 +51,7 @@ class GGUFTensor:
     # a read-only view of the mapped file: plain types in their dtype and `shape`, quantized ones as uint8
     # [*shape[:-1], bytes per row] (gguf.quants.dequantize's input)
     data: np.ndarray
+    offset: int  # of its first byte in the file
 
 
 class GGUFFile:
@@ -86,6 +87,15 @@ class GGUFFile:
         names = {t.name for t in self.tensors}
         if len(names) != len(self.tensors):
             raise ValueError("a tensor name appears twice")
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the mapping's pages of the tensor from this process (madvise DONTNEED; they stay in the page
+        cache): a loaded tensor's bytes, read once, then count in no resident memory. The pages it shares
+        with its neighbours stay. A later read of the tensor maps them again."""
+        first = -(-tensor.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (tensor.offset + tensor.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._buf.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     # the cursor over the header
 
@@ -173,4 +183,4 @@ class GGUFFile:
         data = file_bytes[start:start + num_bytes]
         plain = _PLAIN_DTYPES.get(tensor_type)
         data = data.view(plain).reshape(shape) if plain is not None else data.reshape(*shape[:-1], row_bytes)
-        return GGUFTensor(name, tensor_type, shape, data)
+        return GGUFTensor(name, tensor_type, shape, data, start)

@@ -39,7 +39,8 @@ from tinyserve.loader.gguf import (gguf_linears_quantized, gguf_model_config, gg
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields, hf_tensors
 from tinyserve.loader.model_files import is_model_source, not_a_model
 from tinyserve.loader.tokenizer import Tokenizer
-from tinyserve.loader.weights import load_weights_in_pieces, match_tensors
+from tinyserve.loader.staged_linears import stage_linears
+from tinyserve.loader.weights import load_weights_in_pieces, match_tensors, note_stored_bits
 from tinyserve.models.registry import get_model_class
 from tinyserve.parallel.shard import ModelShard
 from tinyserve.types import Job, run_to_end
@@ -160,22 +161,25 @@ def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, devi
     reads: the I/O thread the tensors are read on (load_weights_in_pieces; None: read here)."""
     check_quantization(quantization, dtype, device)
     cls = get_model_class(config.architecture)
-    # A quantized model is quantized from float32 weights (a GGUF's exact dequantized values), then cast.
+    # What is not a Linear loads in float32 before its cast (a tied head is quantized from the embedding's
+    # float32 values); the Linears go straight into their formats (loader/staged_linears.py), where our
+    # kernels are built (without them a quantized model runs the dequantized values through the float path).
     load_dtype = torch.float32 if quantization else dtype
     with torch.device("meta"):
         model = cls(config, shard)
     # Names and shapes from the files' headers against the model on meta: a config that does not describe
     # the checkpoint (say 10^12 parameters beside a 1 MB file) is refused before anything is allocated.
     tensors = list(tensors)
-    match_tensors(model, tensors, ignore)
-    _materialize(model, load_dtype, device)
+    note_stored_bits(match_tensors(model, tensors, ignore))
+    staged = stage_linears(model, quantization) if quantization and ops.has_cpu_kernels() else {}
+    _materialize(model, load_dtype, device, on_meta=staged)
     # NOTE: parameters that need no grad, rather than `with torch.no_grad()` around the pieces: grad mode
     # is the thread's, and the step loop runs other work between them
     model.requires_grad_(False)
     yield
-    yield from load_weights_in_pieces(model, tensors, ignore=ignore, reads=reads)
+    yield from load_weights_in_pieces(model, tensors, ignore=ignore, reads=reads, staged=staged)
     if quantization:
-        yield from quantize_linear_weights_in_pieces(model, quantization)
+        yield from quantize_linear_weights_in_pieces(model, quantization)  # what is still dense: a tied head
         model = model.to(dtype)
         yield
     if can_pack(dtype, device):
@@ -183,15 +187,18 @@ def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, devi
     return model.eval()
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, on_meta=()) -> None:
     """Replace the meta placeholders by uninitialized tensors on device, floating ones in dtype, and point
-    the linears' and embeddings' weight formats at the new parameters.
+    the linears' and embeddings' weight formats at the new parameters; the weights of the Linears in
+    `on_meta` (those loaded straight into a quantized format) stay placeholders.
 
     Why not `.to(dtype).to_empty(device)`: on meta tensors those run torch's Python reference kernels,
     whose first use imports sympy, resident memory for a server that never traces anything
     (docs/PERFORMANCE.md, "Resident memory")."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            if name == "weight" and module in on_meta:
+                continue
             empty = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
             setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
     use_dense_weights(model)
@@ -256,7 +263,8 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
         checkpoint = yield from reads.read(partial(_read_checkpoint, path, model), f"the headers of {path.name}")
         config, tokenizer = checkpoint.config, checkpoint.tokenizer
         yield
-        quantization = resolve_quantization(quantization, checkpoint.stored_quantized, torch_dtype, torch_device)
+        quantization = resolve_quantization(quantization, checkpoint.stored_quantized, torch_dtype, torch_device,
+                                           dtype)
         shard = shard_for(config, torch_dtype) if shard_for is not None else None
         net = yield from build_model_in_pieces(config, checkpoint.tensors, torch_dtype, torch_device,
                                                ignore=checkpoint.ignore, quantization=quantization, shard=shard,
@@ -270,18 +278,24 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
     return LoadedModel(net, config, tokenizer, path, checkpoint.recommended, quantization)
 
 
-def resolve_quantization(mode: str | None, stored_quantized: bool, dtype: torch.dtype,
-                         device: torch.device) -> str | None:
+def resolve_quantization(mode: str | None, stored_quantized: bool, dtype: torch.dtype, device: torch.device,
+                         dtype_flag: str = "auto") -> str | None:
     """The weight format of `--quantization mode` (config.QUANTIZATION_MODES) for a checkpoint whose linears
-    the file stores quantized (stored_quantized) or not; None: the float path. "auto" is int4 mode, which
-    keeps a GGUF's own codes (Q4_x as int4, its 5-8-bit tensors and the head at int8: layers/linear.py),
-    where our int kernels run (CPU, bfloat16); a float checkpoint, float32 or CUDA keep their dtype."""
+    the file stores quantized (stored_quantized) or not; None: the float path. "auto" keeps a GGUF's own codes
+    (Q4_x as int4, its 5-8-bit tensors and the head at int8: layers/linear.py) where our kernels run (CPU):
+    int4 mode at bfloat16; at float32 (`--dtype auto` on a CPU without fast bfloat16) w4a16, whose kernels
+    take float32 activations, so that a model is held at its file's size on every CPU. An explicit
+    `--dtype float32` (dtype_flag) stays the exact reference, dense float32 matrices; a float checkpoint and
+    CUDA keep their dtype."""
     if mode is None or mode == "none":
         return None
     if mode != "auto":
         return mode
-    runs = device.type == "cpu" and dtype == torch.bfloat16 and ops.has_cpu_kernels()
-    return "int4" if runs and stored_quantized else None
+    if not (device.type == "cpu" and stored_quantized and ops.has_cpu_kernels()):
+        return None
+    if dtype == torch.bfloat16:
+        return "int4"
+    return "w4a16" if dtype == torch.float32 and dtype_flag == "auto" else None
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...], bos: int | None) -> ModelConfig:

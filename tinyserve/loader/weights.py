@@ -9,7 +9,7 @@ it is read and copied."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from tinyserve.layers.linear import Linear, MergedLinear
+from tinyserve.layers.quant import GroupCodes
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
+from tinyserve.loader.staged_linears import StagedLinear
 from tinyserve.parallel.shard import CheckpointSlice
 from tinyserve.types import Job
 
@@ -47,7 +49,10 @@ class TensorSource:
     fetch(rows) copies the file's bytes of the tensor (rows [start, stop), or None: all), the part a load
     runs on its I/O thread (loader/file_reads.py); decode(fetched, rows) makes the tensor of them
     (dequantizing, reordering), the CPU work, which stays on the step thread with the model's other pieces.
-    Without them, `read` and `read_rows` run whole on the I/O thread."""
+    Without them, `read` and `read_rows` run whole on the I/O thread.
+    `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
+    (a GGUF's Q4_0, Q4_1, Q8_0: loader/gguf_blocks.py): decode_codes(fetched, rows) -> GroupCodes of those
+    bits. `release`: drops the file's pages of the tensor from the process once it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
@@ -55,6 +60,9 @@ class TensorSource:
     stored_bits: int | None = None
     fetch: Callable[[Rows], Any] | None = None
     decode: Callable[[Any, Rows], torch.Tensor] | None = None
+    code_bits: int | None = None
+    decode_codes: Callable[[Any, Rows], GroupCodes] | None = None
+    release: Callable[[], None] | None = None
 
     def __call__(self) -> torch.Tensor:
         return self.read()
@@ -84,6 +92,7 @@ class Match:
     target: torch.Tensor
     part: CheckpointSlice | None
     linear: Linear | None
+    linear_row: int = 0  # the first row of the Linear's weight that target is (a merged one's shard: its offset)
 
     def read(self) -> torch.Tensor:
         return self.checked(self.produce())
@@ -95,17 +104,17 @@ class Match:
         return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
 
 
-def _target(model: nn.Module, param_name: str, shard: int | None) -> tuple[torch.Tensor, CheckpointSlice | None,
-                                                                           Linear | None]:
+def _target(model: nn.Module, param_name: str,
+            shard: int | None) -> tuple[torch.Tensor, CheckpointSlice | None, Linear | None, int]:
     module_name, _, attr = param_name.rpartition(".")
     module = model.get_submodule(module_name)
     param = getattr(module, attr)
     linear = module if isinstance(module, Linear) and attr == "weight" else None
     part = module.checkpoint_slice(attr, shard) if hasattr(module, "checkpoint_slice") else None
     if shard is None:
-        return param.data, part, linear
+        return param.data, part, linear, 0
     start, size = module.shard_offset(shard)
-    return param.data.narrow(0, start, size), part, linear
+    return param.data.narrow(0, start, size), part, linear, start
 
 
 def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor, part: CheckpointSlice | None) -> None:
@@ -135,11 +144,11 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
         if (param_name, index) not in missing:
             seen = "loaded twice" if param_name in dict(model.named_parameters()) else "unexpected"
             raise ModelLoadError(f"tensor {hf_name!r} is {seen} for {type(model).__name__}")
-        target, part, linear = _target(model, param_name, index)
+        target, part, linear, linear_row = _target(model, param_name, index)
         if isinstance(produce, TensorSource):
             _check_shape(hf_name, produce.shape, target, part)
         del missing[(param_name, index)]
-        matched.append(Match(hf_name, produce, target, part, linear))
+        matched.append(Match(hf_name, produce, target, part, linear, linear_row))
     if missing:
         names = sorted(missing.values())
         more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
@@ -147,52 +156,81 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
     return matched
 
 
-def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
-                           ignore: Callable[[str], bool] = lambda _: False,
-                           reads: FileReads | None = None) -> Job[None]:
-    """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
-    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
-    rank's rows of a tensor-parallel one alone). A Linear's `stored_bits` becomes the most its weight's
-    tensors (the shards of a merged one) are stored at. `reads`: the load's I/O thread, where every tensor
-    is read (loader/file_reads.py), the copy into the model alone done here; None: read here."""
-    for match in match_tensors(model, tensors, ignore):
+def note_stored_bits(matches: list[Match]) -> None:
+    """A Linear's `stored_bits` becomes the most its weight's tensors (the shards of a merged one) are
+    stored at (TensorSource.stored_bits)."""
+    for match in matches:
         produce, linear = match.produce, match.linear
         if linear is not None and isinstance(produce, TensorSource) and produce.stored_bits is not None:
             linear.stored_bits = max(produce.stored_bits, linear.stored_bits or 0)
-        for fetch, finish, target in _pieces(match):
+
+
+def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
+                           ignore: Callable[[str], bool] = lambda _: False,
+                           reads: FileReads | None = None,
+                           staged: Mapping[Linear, StagedLinear] | None = None) -> Job[None]:
+    """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
+    each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
+    rank's rows of a tensor-parallel one alone). Linears' `stored_bits` are noted (note_stored_bits).
+    `reads`: the load's I/O thread, where every tensor is read (loader/file_reads.py), the copy into the
+    model alone done here; None: read here. `staged`: the Linears loaded straight into their quantized
+    formats (loader/staged_linears.py; their weights stay on meta), each finished once its rows are in."""
+    matches = match_tensors(model, tensors, ignore)
+    note_stored_bits(matches)
+    staged = staged or {}
+    for match in matches:
+        source = match.produce if isinstance(match.produce, TensorSource) else None
+        staging = staged.get(match.linear) if match.linear is not None else None
+        as_codes = (staging is not None and source is not None and match.part is None
+                    and source.decode_codes is not None and staging.takes_codes(source.code_bits))
+        for fetch, finish, rows in _pieces(match, as_codes):
             if reads is None:
                 fetched = fetch()
             else:
                 fetched = yield from reads.read(fetch, f"tensor {match.hf_name!r}")
-            tensor = finish(fetched)
+            piece = finish(fetched)
             del fetched
-            _copy(match.hf_name, tensor, target)
-            del tensor
+            start, stop = rows if rows is not None else (0, match.target.shape[0])
+            if staging is None:
+                _copy(match.hf_name, piece, match.target[start:stop] if rows is not None else match.target)
+            else:
+                _check_rows(match.hf_name, piece, match.target[start:stop])
+                staging.write(match.linear_row + start, piece)
+            del piece
+            yield
+        if source is not None and source.release is not None:
+            source.release()
+        if staging is not None and staging.rows_left == 0:
+            staging.finish()
             yield
 
 
-def _pieces(match: Match) -> Iterator[tuple[Callable[[], Any], Callable[[Any], torch.Tensor], torch.Tensor]]:
-    """(the read for the I/O thread, what makes the tensor of its result here, the part of the target they
-    fill): for the whole tensor, or for each block of PIECE_VALUES values of it."""
+def _pieces(match: Match, as_codes: bool = False) -> Iterator[tuple[Callable[[], Any], Callable[[Any], Any], Rows]]:
+    """(the read for the I/O thread, what makes the tensor of its result here, the rows [start, stop) of the
+    target they fill, None: all of it): for the whole tensor, or for each block of PIECE_VALUES values of it.
+    as_codes: the pieces are the source's group codes (TensorSource.decode_codes; a whole rank's tensor)."""
     produce, target, part = match.produce, match.target, match.part
     source = produce if isinstance(produce, TensorSource) else None
     split = source is not None and source.fetch is not None and source.decode is not None
+    decode = source.decode_codes if as_codes else source.decode if source is not None else None
     read_rows = source.read_rows if source is not None else None
     by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
     if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
-        if split:
-            yield partial(source.fetch, None), lambda fetched: match.checked(source.decode(fetched, None)), target
+        if as_codes:
+            yield partial(source.fetch, None), partial(_decode_rows, decode, None), None
+        elif split:
+            yield partial(source.fetch, None), lambda fetched: match.checked(source.decode(fetched, None)), None
         else:
-            yield produce, match.checked, target
+            yield produce, match.checked, None
         return
     first_row = 0 if part is None else part.start
     num_rows = target.shape[0]
     rows_per_piece = max(1, PIECE_VALUES * num_rows // target.numel())
     for start in range(0, num_rows, rows_per_piece):
         rows = (first_row + start, first_row + min(start + rows_per_piece, num_rows))
-        piece = target[start:rows[1] - first_row]
+        piece = (start, rows[1] - first_row)
         if split:
-            yield partial(source.fetch, rows), partial(_decode_rows, source.decode, rows), piece
+            yield partial(source.fetch, rows), partial(_decode_rows, decode, rows), piece
         else:
             yield partial(read_rows, *rows), _as_is, piece
 
@@ -203,6 +241,12 @@ def _decode_rows(decode: Callable[[Any, Rows], torch.Tensor], rows: Rows, fetche
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _check_rows(hf_name: str, piece: torch.Tensor | GroupCodes, target: torch.Tensor) -> None:
+    shape = tuple((piece.codes if isinstance(piece, GroupCodes) else piece).shape)
+    if shape != tuple(target.shape):
+        raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")
 
 
 def _copy(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:

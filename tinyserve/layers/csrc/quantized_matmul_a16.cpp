@@ -1,4 +1,5 @@
-// The int4 (GGUF Q4_1) and int8 (Q8_0) weights times unrounded bfloat16 activations (W4A16, W8A16):
+// The int4 (GGUF Q4_1) and int8 (Q8_0) weights times unrounded activations (W4A16, W8A16), bfloat16 or
+// float32, the output in the activations' dtype:
 // out[t, n] = sum_k x[t, k] w[n, k], with per group of 32 inputs w = code * scale + minimum (int4) or
 // w = code * scale (int8), in Int4Weight's and Int8Weight's layouts (quantized_matmul.cpp describes them).
 //
@@ -77,7 +78,8 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
                      const at::Half* minimums, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), name,
               ": inputs must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [tokens, in] bfloat16");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), name,
+              ": x must be [tokens, in] bfloat16 or float32");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
               name, ": codes uint8, scales float16, contiguous, 2-d");
@@ -93,11 +95,15 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
   const int64_t groups = k / kGroup;
-  tinyserve::for_row_blocks(n, tokens, out.data_ptr<c10::BFloat16>(), [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
+  auto pass = [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
     block<Bits, decltype(tokens_in_pass)::value>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
                                                  minimums == nullptr ? nullptr : minimums + b * groups * kRows,
                                                  xp, k, t0, o);
-  });
+  };
+  if (x.scalar_type() == at::kFloat)
+    tinyserve::for_row_blocks(n, tokens, out.data_ptr<float>(), pass);
+  else
+    tinyserve::for_row_blocks(n, tokens, out.data_ptr<c10::BFloat16>(), pass);
   return out;
 }
 

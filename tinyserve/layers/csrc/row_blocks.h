@@ -1,7 +1,7 @@
 // What our matmul kernels (bf16_matmul.cpp, quantized_matmul.cpp) share: the output rows in blocks of 16,
 // one row per vector lane, split over the threads; per block the tokens 8 at a time (the accumulators of 8
 // tokens fill the registers), so a block's weights stay in cache between passes; the float32 sums rounded
-// into out [tokens, n].
+// into out [tokens, n] (bfloat16, or float32 as they are).
 #pragma once
 
 #include "float_types.h"
@@ -17,8 +17,8 @@ constexpr int kMaxTokens = 8;
 
 // pass(block, t0, std::integral_constant<int, T>{}, float* out) computes tokens t0 .. t0 + T - 1 of one
 // block into out[t * 16 + l]; T is a compile-time constant so that the kernel's accumulators are registers.
-template <typename Pass>
-void for_row_blocks(int64_t n, int64_t tokens, c10::BFloat16* out, Pass&& pass) {
+template <typename Out, typename Pass>
+void for_row_blocks(int64_t n, int64_t tokens, Out* out, Pass&& pass) {
   const int64_t blocks = (n + kRows - 1) / kRows;
 #pragma omp parallel
   {
@@ -40,7 +40,7 @@ void for_row_blocks(int64_t n, int64_t tokens, c10::BFloat16* out, Pass&& pass) 
       }
       const int64_t rows = std::min<int64_t>(kRows, n - b * kRows);
       for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t l = 0; l < rows; ++l) out[t * n + b * kRows + l] = round_to<c10::BFloat16>(result[t * kRows + l]);
+        for (int64_t l = 0; l < rows; ++l) out[t * n + b * kRows + l] = round_to<Out>(result[t * kRows + l]);
     }
   }
 }

@@ -1,0 +1,142 @@
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 blocks straight into our group codes (loader/gguf_blocks.py) and a quantized
+model loaded through them one Linear at a time (loader/staged_linears.py): the codes stand for exactly the
+file's values (the references follow ggml's block layouts: tests/test_gguf_dequant.py), the kernels compute
+with them, the formats hold the file's bytes, and the file's pages leave the process once read."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_gguf import _write, tiny_llama  # noqa: F401 (tiny_llama: a fixture)
+from test_gguf_dequant import REFERENCES, random_blocks
+
+from tinyserve.layers import ops
+from tinyserve.layers.linear import Linear
+from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.loader import staged_linears
+from tinyserve.loader.errors import ModelLoadError
+from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf_blocks import group_codes
+from tinyserve.loader.model_loader import build_model
+
+ROWS, COLS = 5, 96  # odd rows, three blocks a row
+FORMATS = {Q.Q4_0: Int4Weight, Q.Q4_1: Int4Weight, Q.Q8_0: Int8Weight}
+needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C++ kernels are not built")
+
+
+def _blocks(qtype, seed=0) -> np.ndarray:
+    """[ROWS, bytes per row] of random codes and finite scales of either sign; Q8_0 codes include -128."""
+    blocks = random_blocks(qtype, ROWS * COLS, np.random.default_rng(seed))
+    if qtype == Q.Q8_0:
+        blocks[0, 2] = 0x80  # -128: outside llama.cpp's quantizer's range, still a valid code
+    return blocks.reshape(ROWS, -1)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_group_codes_stand_for_the_file_s_values_exactly(qtype):
+    blocks = _blocks(qtype)
+    codes = group_codes("w", qtype, blocks)
+    expected = torch.from_numpy(REFERENCES[qtype](blocks.reshape(-1, blocks.shape[1] // (COLS // 32))))
+    assert codes.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert torch.equal(codes.dequantized(), expected.reshape(ROWS, COLS).float())
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_the_kernels_compute_with_the_file_s_values(qtype):
+    """w4a16 / w8a16 at float32 on the converted codes against float64 on the file's values."""
+    from tinyserve.layers.cpu_kernels import w4a16_matmul, w8a16_matmul
+
+    blocks = _blocks(qtype, seed=1)
+    weight = FORMATS[qtype].from_codes(group_codes("w", qtype, blocks))
+    values = torch.from_numpy(REFERENCES[qtype](blocks.reshape(ROWS * COLS // 32, -1))).reshape(ROWS, COLS)
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
+    if qtype == Q.Q8_0:
+        got = w8a16_matmul(x, weight.codes, weight.scales, ROWS)
+    else:
+        got = w4a16_matmul(x, weight.codes, weight.scales, weight.minimums, ROWS)
+    exact = x.double() @ values.T
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_a_q4_0_scale_without_a_float16_minimum_is_refused():
+    blocks = _blocks(Q.Q4_0)
+    blocks[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)  # -8 * d overflows float16
+    with pytest.raises(ModelLoadError, match="Q4_0 scale"):
+        group_codes("blk.0.ffn_up.weight", Q.Q4_0, blocks)
+
+
+def _load(path, quantization="w4a16", dtype=torch.float32):
+    reader = open_gguf(path)
+    config = gguf_model_config(reader)
+    return build_model(config, gguf_tensors(reader, config), dtype, torch.device("cpu"), quantization=quantization)
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_a_quantized_model_holds_its_file_s_bytes_and_no_float_linear(tmp_path, tiny_llama, qtype):
+    """Every Linear's weight stays the meta placeholder; the block linears' formats hold as many bytes as the
+    file's blocks of them (Q4_1, Q8_0: the same layout's bytes; Q4_0: plus its minimums, 20 bytes a block
+    of 32 for its 18)."""
+    path = _write(tmp_path / "model.gguf", tiny_llama, qtype=qtype)
+    model = _load(path)
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name.startswith("model.layers")]
+    assert linears and all(m.weight.is_meta for m in linears)
+    held = sum(t.nbytes for m in linears for t in (m.weight_format.codes, m.weight_format.scales,
+                                                    getattr(m.weight_format, "minimums", None)) if t is not None)
+    stored = sum(t.data.nbytes for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    assert held == (stored * 20 // 18 if qtype == Q.Q4_0 else stored)
+
+
+@needs_int_kernels
+def test_linears_are_staged_one_at_a_time(tmp_path, tiny_llama, monkeypatch):
+    """A quantized load holds at most the buffers of the Linears whose tensors are being read (a merged one's
+    shards may lie apart in the file), never all of them."""
+    path = _write(tmp_path / "model.gguf", tiny_llama, qtype=Q.Q4_0)
+    live, most = set(), [0]
+    start_buffers, finish = staged_linears.StagedLinear._buffers, staged_linears.StagedLinear.finish
+
+    def buffers(self, device):
+        live.add(id(self))
+        most[0] = max(most[0], len(live))
+        start_buffers(self, device)
+
+    def finished(self):
+        live.discard(id(self))
+        finish(self)
+
+    monkeypatch.setattr(staged_linears.StagedLinear, "_buffers", buffers)
+    monkeypatch.setattr(staged_linears.StagedLinear, "finish", finished)
+    model = _load(path)
+    num_linears = sum(isinstance(m, Linear) for m in model.modules())
+    assert not live and num_linears == 9 and 1 <= most[0] <= 2
+
+
+def _mapping_rss_kib(path) -> int:
+    """This process's resident KiB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@needs_int_kernels
+def test_a_tensor_s_pages_leave_the_process_once_read(tmp_path, tiny_llama):
+    path = _write(tmp_path / "model.gguf", tiny_llama, qtype=Q.Q8_0)
+    reader = open_gguf(path)
+    config = gguf_model_config(reader)
+    sources = [source for _, source in gguf_tensors(reader, config)]
+    for source in sources:
+        source.fetch(None)
+    read_all = _mapping_rss_kib(path)
+    for source in sources:
+        source.release()
+    assert read_all >= path.stat().st_size // 1024 // 2  # the data was mapped in by the reads
+    page_kib = 4
+    # what is left: the pages a tensor shares with its neighbours (at most 2 each), and the header's
+    assert _mapping_rss_kib(path) <= page_kib * (2 * len(sources) + 2) < read_all

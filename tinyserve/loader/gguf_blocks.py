@@ -1,0 +1,50 @@
+"""A GGUF tensor's Q4_0, Q4_1 and Q8_0 blocks as our group codes (layers/quant.py, GroupCodes), bytes to
+bytes: no float on the way, so the kernels compute from the file's own codes and scales, and a load costs a
+few integer ops per weight instead of a dequantization and a second quantization.
+
+ggml's blocks, 32 weights each, rows of whole blocks:
+- Q4_0 (18 bytes): float16 d, then 16 bytes of 4-bit codes q (weight j in byte j's low nibble, weight j + 16
+  in its high nibble); w = (q - 8) * d. As Q4_1's rule that is scale d and minimum -8 * d, both exact in
+  float16 (a power-of-two multiple), and the kernels' code * d + (-8 * d) rounds once to the exact (q - 8) * d.
+- Q4_1 (20 bytes): float16 d and m, then the codes as Q4_0's; w = q * d + m: our Int4Weight's own rule.
+- Q8_0 (34 bytes): float16 d, then 32 int8 codes; w = q * d. Our Int8Weight stores q + 128 in a byte,
+  which is q's bits with the sign bit flipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from tinyserve.layers.quant import GroupCodes
+from tinyserve.loader.errors import ModelLoadError
+
+# each type converted here -> the bits of the group codes it becomes
+CODE_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+
+
+def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes:
+    """data: the tensor's rows as bytes, uint8 [rows, bytes per row] (GGUFTensor.data or rows of it) -> the
+    group codes of the same rows."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
+    scales = _halves(blocks[..., 0:2])
+    if tensor_type == GGMLQuantizationType.Q8_0:
+        codes = blocks[..., 2:] ^ 0x80  # int8 q -> q + 128
+        return GroupCodes(8, codes.reshape(rows, -1), scales, None)
+    if tensor_type == GGMLQuantizationType.Q4_1:
+        minimums, packed = _halves(blocks[..., 2:4]), blocks[..., 4:]
+    else:
+        minimums, packed = (scales.float() * -8).to(torch.float16), blocks[..., 2:]
+        if not bool(torch.isfinite(minimums).all()) and bool(torch.isfinite(scales).all()):
+            raise ModelLoadError(f"tensor {name!r}: a Q4_0 scale over 8188 has no float16 minimum (-8 * d)")
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # weights 0..15, then 16..31 of each block
+    return GroupCodes(4, codes.reshape(rows, -1), scales, minimums)
+
+
+def _halves(pairs: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks, 2] bytes -> [rows, blocks] float16 (little-endian, as x86 reads them)."""
+    return pairs.contiguous().view(torch.float16).squeeze(-1)
+

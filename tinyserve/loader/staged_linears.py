@@ -1,0 +1,103 @@
+"""A quantized model's linears loaded straight into their formats, one at a time: each Linear's codes are
+assembled as its checkpoint tensors (or their blocks of rows) are read, and the Linear takes its kernel
+layout as soon as its last rows are in. No float copy of the model exists at any time: beside the formats
+already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
+
+A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
+int8: loader/gguf_blocks.py) is copied code for code. Any other (a K-quant, a float tensor, a tensor-parallel
+rank's columns) is read as float32 rows and quantized by its format's rule (layers/quant.py), which is the
+same for a block of rows as for the whole matrix: each group of 32 inputs is one row's.
+Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tinyserve.layers.linear import Linear, QuantizedFormat, quantized_format
+from tinyserve.layers.quant import (GROUP, GroupCodes, Int4Weight, Int8ChannelWeight, Int8Weight, int4_group_codes,
+                                    int8_group_codes)
+
+logger = logging.getLogger(__name__)
+
+_RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}
+
+
+@dataclass
+class StagedLinear:
+    """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight,
+    Int8Weight), or `values` (Int8ChannelWeight, float32 [out, in])."""
+
+    module: Linear
+    fmt: QuantizedFormat
+    int8_inputs: bool
+    rows_left: int
+    codes: GroupCodes | None = None
+    values: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, module: Linear, quantization: str) -> StagedLinear:
+        """Its format chosen; its buffers come with its first rows (_buffers), so that at most one Linear's
+        are held at a time."""
+        fmt = quantized_format(module, quantization)
+        if fmt is not Int8ChannelWeight and module.in_features % GROUP:
+            raise ValueError(f"quantization needs in_features divisible by {GROUP}, got {module.in_features}")
+        return cls(module, fmt, quantization != "w4a16", module.out_features)
+
+    def _buffers(self, device: torch.device) -> None:
+        rows, inputs = self.module.out_features, self.module.in_features
+        if self.fmt is Int8ChannelWeight:
+            self.values = torch.empty(rows, inputs, dtype=torch.float32, device=device)
+            return
+        bits, groups = (4 if self.fmt is Int4Weight else 8), inputs // GROUP
+        halves = dict(dtype=torch.float16, device=device)
+        self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
+                                torch.empty(rows, groups, **halves),
+                                torch.empty(rows, groups, **halves) if bits == 4 else None)
+
+    def takes_codes(self, bits: int | None) -> bool:
+        """Whether a file's group codes of `bits` copy in as they are (else its rows come as float32)."""
+        return bits == {Int4Weight: 4, Int8Weight: 8}.get(self.fmt)
+
+    def write(self, row: int, piece: torch.Tensor | GroupCodes) -> None:
+        """Rows [row, row + len(piece)) of the weight: float32 values, or group codes of this format's bits."""
+        if self.codes is None and self.values is None:
+            self._buffers((piece.codes if isinstance(piece, GroupCodes) else piece).device)
+        if self.values is not None:
+            self.values[row:row + piece.shape[0]].copy_(piece)
+        else:
+            codes = piece if isinstance(piece, GroupCodes) else _RULES[self.fmt](piece)
+            stop = row + codes.codes.shape[0]
+            self.codes.codes[row:stop].copy_(codes.codes)
+            self.codes.scales[row:stop].copy_(codes.scales)
+            if codes.minimums is not None:
+                self.codes.minimums[row:stop].copy_(codes.minimums)
+        self.rows_left -= piece.codes.shape[0] if isinstance(piece, GroupCodes) else piece.shape[0]
+
+    def finish(self) -> None:
+        """The Linear takes its format (its `weight` stays the meta placeholder it was built with)."""
+        if self.values is not None:
+            weight, _ = Int8ChannelWeight.quantize(self.values)
+        else:
+            weight = self.fmt.from_codes(self.codes)
+            if not self.int8_inputs:
+                weight = dataclasses.replace(weight, int8_inputs=False)
+        self.module.weight_format = weight
+        self.codes = self.values = None
+
+
+def stage_linears(model: nn.Module, quantization: str) -> dict[Linear, StagedLinear]:
+    """A StagedLinear for every Linear of the model (built on meta, its `stored_bits` set from the checkpoint's
+    headers); a tied LM head is the embedding's matrix, loaded with it and quantized after it."""
+    staged = {m: StagedLinear.start(m, quantization) for m in model.modules() if isinstance(m, Linear)}
+    block_linears = [s for s in staged.values() if not s.module.is_lm_head]
+    kept = sum(1 for s in block_linears if quantization != "int8" and s.fmt is Int8Weight)
+    if kept:
+        logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)", quantization, kept,
+                    len(block_linears))
+    return staged
