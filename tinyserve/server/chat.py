@@ -3,55 +3,34 @@
 from __future__ import annotations
 
 import functools
-import time
-import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (compile_structured_output, encode_chat, parse_body,
-                                     require_api_key, server_state, validate_prompt)
+from tinyserve.server.intake import body_reader, encode_chat, require_api_key, server_state, validate_prompt
 from tinyserve.server.logprobs import TokenTexts, chat_logprobs, prompt_logprobs
-from tinyserve.server.protocol import ChatCompletionRequest, limits_context
+from tinyserve.server.model_slot import LoadedModel
+from tinyserve.server.protocol import ChatCompletionRequest
+from tinyserve.server.request_start import start_request
 from tinyserve.server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse,
                                         ToolCallDelta, ToolCallOut)
+from tinyserve.server.state import ServerState
 from tinyserve.server.tools import ToolCallStream, ToolPlan
-from tinyserve.types import RequestOutput
+from tinyserve.types import RequestOutput, SamplingParams
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    arrival = time.monotonic()
     state = server_state(request)
-    state.admit()
-    body = await parse_body(request, ChatCompletionRequest, limits_context(state.config))
-    timeout = state.request_timeout(body.timeout)
-    loaded = await state.acquire(body.model, arrival, timeout)  # 404, or loads the model on demand
-    slot = state.registry.resolve(body.model)
-    engine = loaded.engine
-    with loaded.pending():  # a swap or unload waits for this request until its stream is open
-        params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
-        tools = body.tool_plan()
-        await compile_structured_output(engine, params, body.structured_output_param())
-        native_tools = engine.tokenizer.template_renders_tools
-        messages = [m.as_template_message(native_tools) for m in body.messages]
-        if tools is not None and not native_tools:
-            messages = tools.with_fallback_prompt(messages)
-        template_tools = tools.template_kwargs()["tools"] if tools is not None and native_tools else None
-        prompt_ids = await encode_chat(state, loaded, messages, body.add_generation_prompt, template_tools)
-        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        validate_prompt(engine, prompt_ids, params, "messages", max_tokens_param)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = Generation(engine, request_id, [prompt_ids], params, body.priority, arrival, timeout,
-                                request.state.request_id, body.cache_salt)
-        texts = loaded.token_texts if params.logprobs is not None else None
-        # again, counting every sample, with no await before queueing (see completions)
-        slot.admit(params.n, loaded, body.priority, params.n)
-        generation.start(slot.ticket(params.n))
-    head = {"id": request_id, "created": int(time.time()), "model": body.model or state.model_name}
+    started = await start_request(state, body_reader(request, ChatCompletionRequest),
+                                  functools.partial(_encode, state), "chatcmpl", request.state.request_id)
+    body, generation, loaded = started.body, started.generation, started.loaded
+    tools = body.tool_plan()  # valid: to_sampling_params built it once already
+    texts = loaded.token_texts if generation.params.logprobs is not None else None
+    head = started.head()
     if body.stream:
         options = body.stream_options
         roles = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None,
@@ -69,6 +48,21 @@ async def create_chat_completion(request: Request) -> Response:
     if body.prompt_logprobs is not None and scored is not None:
         response.prompt_logprobs = prompt_logprobs(loaded.token_texts, scored, body.prompt_logprobs)
     return JSONResponse(response.dump())
+
+
+async def _encode(state: ServerState, body: ChatCompletionRequest, loaded: LoadedModel,
+                  params: SamplingParams) -> list[list[int]]:
+    """The conversation through the model's chat template (tools rendered by it, or as a system prompt
+    when it cannot), checked by the engine: 400s name messages, or the client's max_tokens field."""
+    tools, native_tools = body.tool_plan(), loaded.engine.tokenizer.template_renders_tools
+    messages = [m.as_template_message(native_tools) for m in body.messages]
+    if tools is not None and not native_tools:
+        messages = tools.with_fallback_prompt(messages)
+    template_tools = tools.template_kwargs()["tools"] if tools is not None and native_tools else None
+    prompt_ids = await encode_chat(state, loaded, messages, body.add_generation_prompt, template_tools)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    validate_prompt(loaded.engine, prompt_ids, params, "messages", max_tokens_param)
+    return [prompt_ids]
 
 
 def _choice(texts: TokenTexts | None, streams: list[ToolCallStream] | None):

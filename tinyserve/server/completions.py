@@ -1,41 +1,36 @@
 """POST /v1/completions: prompt as a string, a list of strings, token ids, or a list of token id lists;
 with echo, each prompt's text (and its tokens' logprobs) comes before its choices' own (max_tokens 0: only it).
-`start_completion`, from a validated body to a queued request, is the gRPC API's too (server/grpc_service.py)."""
+Started by request_start.start_request; `encode_completion`, a body's prompts to checked ids, is the gRPC
+API's too (server/grpc_service.py)."""
 
 from __future__ import annotations
 
 import functools
-import time
-import uuid
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.server.generation import EventStreamResponse, Generation, event_stream, run_to_end
-from tinyserve.server.intake import (compile_structured_output, encode_prompt, parse_body,
-                                     require_api_key, server_state, validate_prompt)
+from tinyserve.server.intake import body_reader, encode_prompt, require_api_key, server_state, validate_prompt
 from tinyserve.server.logprobs import TokenTexts, completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
 from tinyserve.server.model_slot import LoadedModel
-from tinyserve.server.protocol import CompletionRequest, limits_context
+from tinyserve.server.protocol import CompletionRequest
+from tinyserve.server.request_start import start_request
 from tinyserve.server.responses import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
                                         CompletionResponseChoice)
-from tinyserve.server.state import ServerState
-from tinyserve.types import RequestOutput, TokenLogprob
+from tinyserve.types import RequestOutput, SamplingParams, TokenLogprob
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    arrival = time.monotonic()
     state = server_state(request)
-    state.admit()
-    body = await parse_body(request, CompletionRequest, limits_context(state.config))
-    started = await start_completion(state, body, arrival, request.state.request_id)
-    generation, texts = started.generation, started.loaded.token_texts
-    echo = _Echo(body, started.prompts, texts) if body.echo else None
-    head = {"id": generation.request_id, "created": int(time.time()), "model": body.model or state.model_name}
+    started = await start_request(state, body_reader(request, CompletionRequest), encode_completion, "cmpl",
+                                  request.state.request_id)
+    body, generation, texts = started.body, started.generation, started.loaded.token_texts
+    echo = _Echo(body, generation.prompts, texts) if body.echo else None
+    head = started.head()
     if body.stream:
         options = body.stream_options
         choice = _choice(texts if body.logprobs is not None else None, generation.params.n, echo)
@@ -47,36 +42,13 @@ async def create_completion(request: Request) -> Response:
     return JSONResponse(_response(generation, head, texts, body, echo).dump())
 
 
-@dataclass
-class StartedCompletion:
-    loaded: LoadedModel  # the load the request was admitted to, kept to its end
-    prompts: list[list[int]]  # each prompt's ids
-    generation: Generation  # started: queued in the engine
-
-
-async def start_completion(state: ServerState, body: CompletionRequest, arrival: float, client_request_id: str,
-                           api: str = "http") -> StartedCompletion:
-    """A validated completion body to a queued engine request, for HTTP and gRPC alike: its model (404, or
-    loaded on demand), its sampling parameters over the model's defaults, its grammar compiled, its
-    prompts tokenized and checked by the engine (400), and admission counting every sample (503)."""
-    timeout = state.request_timeout(body.timeout)
-    loaded = await state.acquire(body.model, arrival, timeout)  # 404, or loads the model on demand
-    engine = loaded.engine
-    with loaded.pending():  # a swap or unload waits for this request until its stream is open
-        params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
-        await compile_structured_output(engine, params, body.structured_output_param())
-        prompts = [p if isinstance(p, list) else await encode_prompt(loaded, p) for p in body.prompt]
-        for ids in prompts:
-            validate_prompt(engine, ids, params, "prompt")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = Generation(engine, request_id, prompts, params, body.priority, arrival, timeout,
-                                client_request_id, body.cache_salt)
-        # again, counting every sample, with no await before queueing: the awaits above let other requests in
-        slot = state.registry.resolve(body.model)
-        slot.admit(len(prompts) * params.n, loaded, body.priority, params.n)
-        slot.metrics.track_api(request_id, len(prompts) * params.n, api)
-        generation.start(slot.ticket(len(prompts) * params.n))
-    return StartedCompletion(loaded, prompts, generation)
+async def encode_completion(body: CompletionRequest, loaded: LoadedModel, params: SamplingParams) -> list[list[int]]:
+    """Each prompt's ids (text tokenized, ids as sent), checked by the engine: 400s name the prompt. The
+    gRPC API's too (server/grpc_service.py)."""
+    prompts = [p if isinstance(p, list) else await encode_prompt(loaded, p) for p in body.prompt]
+    for ids in prompts:
+        validate_prompt(loaded.engine, ids, params, "prompt")
+    return prompts
 
 
 class _Echo:

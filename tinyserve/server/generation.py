@@ -1,4 +1,4 @@
-"""One HTTP request's run through the engine, shared by completions and chat.
+"""One request's run through the engine, shared by chat, completions and gRPC (server/request_start.py).
 
 A Generation owns one engine request (all its prompts) and its one stream, and numbers the outputs as
 OpenAI's choice indices (prompt i, sample j -> i * n + j). Its deadline is counted from the request's
@@ -7,7 +7,7 @@ finish_reason "timeout", even if the engine thread is stuck in a step (a request
 scheduled); the engine frees the blocks when it gets to the abort. Not streaming, the reply carries the
 text so far (a 504 if no sample got a token); a stream sends those finish reasons, then an error event. A client that goes away closes the generation (streaming) or
 triggers `abort()` (non-streaming), which aborts the engine request. A streaming client that reads nothing for
-`write_timeout` seconds is cut off the same way. When the run ends, one log line records it.
+`write_timeout` seconds is cut off the same way (server/slow_reader.py). When the run ends, one log line records it.
 """
 
 from __future__ import annotations
@@ -23,19 +23,18 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
 from tinyserve.engine.request_stream import RequestStream
 from tinyserve.server.admission import AdmissionTicket
 from tinyserve.server.errors import APIError, ServiceUnavailable, Timeout
 from tinyserve.server.responses import ChatChunk, CompletionChunk, UsageInfo
+from tinyserve.server.slow_reader import SlowReaderGuard
 from tinyserve.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
 request_log = logging.getLogger("tinyserve.requests")
 SSE_DONE = b"data: [DONE]\n\n"
-# a stream write waiting this long means the socket's buffers are full: the client has stopped reading
-WRITE_BLOCKED_S = 0.05
 
 
 @dataclass
@@ -248,11 +247,9 @@ def sse(payload: dict) -> bytes:
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that listen for the client's disconnect for the whole stream, whatever ASGI
     version the server speaks, so a client gone while its request still waits is noticed at once: the
-    body iterator is cancelled, which closes the engine stream and aborts the request. A client that
-    reads nothing makes a write wait (the transport's buffer is full); one that waits `write_timeout`
-    seconds ends the response the same way, so a stalled reader holds nothing for long. A write that
-    waits WRITE_BLOCKED_S pauses the generation at once (its engine requests give up their seats) until
-    the writes flow again; a write into a socket with room returns without waiting, and no timer fires."""
+    body iterator is cancelled, which closes the engine stream and aborts the request. Its writes go
+    through the slow-reader guard (server/slow_reader.py): a blocked write pauses the generation, and a
+    client that reads nothing for `write_timeout` seconds ends the response the same way."""
 
     media_type = "text/event-stream"
 
@@ -262,31 +259,12 @@ class EventStreamResponse(StreamingResponse):
         self.write_timeout = write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        is_blocked = False
-
-        def on_blocked() -> None:
-            nonlocal is_blocked
-            is_blocked = True
-            self.generation.set_writer_blocked(True)
-
-        async def send_within_timeout(message: Message) -> None:
-            nonlocal is_blocked
-            timer = loop.call_later(WRITE_BLOCKED_S, on_blocked)
-            try:
-                with anyio.fail_after(self.write_timeout):
-                    await send(message)
-            finally:
-                timer.cancel()
-            if is_blocked:
-                is_blocked = False
-                self.generation.set_writer_blocked(False)
-
+        guard = SlowReaderGuard(send, self.generation.set_writer_blocked, self.write_timeout)
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send_within_timeout)
+                        await self.stream_response(guard.send)
                     except OSError:  # the client went away mid-write, or stopped reading (TimeoutError)
                         pass
                     group.cancel_scope.cancel()

@@ -1,19 +1,19 @@
 """The gRPC API's handlers (proto/tinyserve.proto): Generate, GenerateStream, Tokenize, ListModels.
 
 A GenerateRequest becomes the JSON body of the same completion (`completion_body`: the fields it sets,
-by their names) and goes through the HTTP path's own code: admission before any work (ServerState.admit),
-CompletionRequest's validation, `completions.start_completion` (model, sampling defaults, tokenizing, the
-engine's checks, the second admission), the same Generation; so the checks, their messages and the
-sampling parameters are HTTP's. An APIError becomes a gRPC status (`status_code`) with the same message.
-A call that ends early (cancelled, or past its deadline) cancels its handler's task, which closes the
-generation: the engine aborts the request and frees its blocks, as for an HTTP client that disconnects.
-A streamed write that waits WRITE_BLOCKED_S on a full flow-control window pauses the request (its seat
-and blocks go to others) until the writes flow again; one that waits stream_write_timeout ends the call.
+by their names) and starts as every HTTP request does (request_start.start_request: admission before any
+work, CompletionRequest's validation, the model, sampling defaults, `completions.encode_completion`'s
+tokenizing and engine checks, the second admission, the metrics' api="grpc", the same Generation); so the
+checks, their messages and the sampling parameters are HTTP's. An APIError becomes a gRPC status
+(`status_code`) with the same message. A call that ends early (cancelled, or past its deadline) cancels its
+handler's task, which closes the generation: the engine aborts the request and frees its blocks, as for an
+HTTP client that disconnects. Streamed writes go through HTTP's slow-reader guard (server/slow_reader.py):
+one blocked on a full flow-control window pauses the request until the writes flow again; one that waits
+stream_write_timeout ends the call.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import secrets
@@ -26,15 +26,17 @@ from google.protobuf.message import DecodeError, Message
 from pydantic import ValidationError
 
 from tinyserve.engine.async_engine import EngineDeadError
-from tinyserve.server.completions import start_completion
+from tinyserve.server.completions import encode_completion
 from tinyserve.server.errors import APIError, BadRequest, ServiceUnavailable, Unauthorized, bad_request_from_validation
-from tinyserve.server.generation import WRITE_BLOCKED_S, Generation, collect
+from tinyserve.server.generation import Generation, collect
 from tinyserve.server.intake import encode
 from tinyserve.server.metrics import API
 from tinyserve.server.proto import tinyserve_pb2 as pb
 from tinyserve.server.proto import tinyserve_pb2_grpc
 from tinyserve.server.protocol import CompletionRequest, limits_context, refuse_unknown_fields
+from tinyserve.server.request_start import StartedRequest, start_request
 from tinyserve.server.routes import model_card
+from tinyserve.server.slow_reader import SlowReaderGuard
 from tinyserve.server.state import ServerState
 from tinyserve.types import RequestOutput, TokenLogprob
 
@@ -174,37 +176,37 @@ class TinyServeService(tinyserve_pb2_grpc.TinyServeServicer):
             raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
 
-    async def _start(self, request: pb.GenerateRequest, context, stream: bool) -> tuple[Generation, dict]:
-        arrival = time.monotonic()
-        self.state.admit()
-        body = completion_body(request, self.state, stream)
+    async def _start(self, request: pb.GenerateRequest, context, stream: bool) -> StartedRequest[CompletionRequest]:
+        async def read_body() -> CompletionRequest:
+            return completion_body(request, self.state, stream)
+
         client_request_id = dict(context.invocation_metadata() or ()).get("x-request-id") or uuid.uuid4().hex
-        generation = (await start_completion(self.state, body, arrival, client_request_id, api="grpc")).generation
-        head = {"id": generation.request_id, "model": body.model or self.state.model_name, "created": int(time.time())}
-        return generation, head
+        return await start_request(self.state, read_body, encode_completion, "cmpl", client_request_id)
 
     @_grpc_handler
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        generation, head = await self._start(request, context, stream=False)
+        started = await self._start(request, context, stream=False)
+        generation = started.generation
         await collect(generation)  # a cancelled call cancels this task: the generation closes, the request aborts
         choices = [pb.Choice(index=i, text="".join(c.text), token_ids=c.token_ids, finish_reason=c.finish_reason or "",
                              logprobs=_logprobs(c.logprobs)) for i, c in enumerate(generation.choices)]
-        return pb.GenerateResponse(**head, choices=choices, usage=_usage(generation))
+        return pb.GenerateResponse(**started.head(), choices=choices, usage=_usage(generation))
 
     @_grpc_handler
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
         # NOTE: written with context.write, not as an async generator: a cancelled call then cancels this
         # coroutine wherever it waits, and the finally below closes the generation at once (a suspended
         # generator would be closed only when collected)
-        generation, head = await self._start(request, context, stream=True)
-        writer = _StreamWriter(context, generation, self.state.config.stream_write_timeout)
+        started = await self._start(request, context, stream=True)
+        generation, head = started.generation, started.head()
+        guard = SlowReaderGuard(context.write, generation.set_writer_blocked, self.state.config.stream_write_timeout)
         try:
             async for index, out in generation.outputs():
                 if out.new_text or out.new_token_ids or out.finished:
-                    await writer.write(pb.GenerateStreamResponse(**head, choice=_delta(index, out)))
+                    await _write(guard, pb.GenerateStreamResponse(**head, choice=_delta(index, out)))
                 if out.error:
                     raise generation.engine_error()
-            await writer.write(pb.GenerateStreamResponse(**head, usage=_usage(generation)))
+            await _write(guard, pb.GenerateStreamResponse(**head, usage=_usage(generation)))
         except EngineDeadError as exc:
             raise generation.engine_error(exc) from None
         finally:
@@ -228,30 +230,14 @@ class TinyServeService(tinyserve_pb2_grpc.TinyServeServicer):
                          memory_bytes=c.memory_bytes, error=c.error) for c in cards])
 
 
-class _StreamWriter:
-    """Writes of one stream, with HTTP's rules for a slow reader (generation.EventStreamResponse)."""
-
-    def __init__(self, context: grpc.aio.ServicerContext, generation: Generation, write_timeout: float):
-        self.context, self.generation, self.write_timeout = context, generation, write_timeout
-
-    async def write(self, message: pb.GenerateStreamResponse) -> None:
-        is_blocked = False
-
-        def on_blocked() -> None:
-            nonlocal is_blocked
-            is_blocked = True
-            self.generation.set_writer_blocked(True)
-
-        timer = asyncio.get_running_loop().call_later(WRITE_BLOCKED_S, on_blocked)
-        try:
-            await asyncio.wait_for(self.context.write(message), self.write_timeout)
-        except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"the client read nothing for {self.write_timeout:g}s", code="write_timeout",
-                                     retry_after=None) from None
-        finally:
-            timer.cancel()
-        if is_blocked:
-            self.generation.set_writer_blocked(False)
+async def _write(guard: SlowReaderGuard, message: pb.GenerateStreamResponse) -> None:
+    """One streamed message under HTTP's slow-reader rules; a client that read nothing for the write
+    timeout ends the call (server/slow_reader.py)."""
+    try:
+        await guard.send(message)
+    except TimeoutError:
+        raise ServiceUnavailable(f"the client read nothing for {guard.write_timeout:g}s", code="write_timeout",
+                                 retry_after=None) from None
 
 
 def _delta(index: int, out: RequestOutput) -> pb.Choice:

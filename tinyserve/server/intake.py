@@ -1,5 +1,6 @@
-"""The front door of the generation endpoints, in order: admission (503 before any work), body parsing
-(400, size caps first), model check (404), tokenization, and the engine's validation (400 with the numbers).
+"""The pieces of the generation endpoints' front door: the API key, body parsing (400, size caps first),
+tokenization, and the engine's validation (400 with the numbers). server/request_start.py puts them in
+order with admission (503 before any work) and the model check (404).
 
 Work that grows with the body runs off the event loop: long prompts are tokenized in a worker thread
 (Tokenizer.encode releases the GIL for them), and chat templates are rendered and encoded there too.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -19,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.server.errors import BadRequest, Unauthorized, bad_request_from_validation
 from tinyserve.server.model_slot import LoadedModel
-from tinyserve.server.protocol import entry_caps, refuse_unknown_fields
+from tinyserve.server.protocol import entry_caps, limits_context, refuse_unknown_fields
 from tinyserve.server.state import ServerState
 from tinyserve.types import InvalidRequest, SamplingParams
 
@@ -58,6 +60,12 @@ async def parse_body(request: Request, model: type[M], context: dict[str, Any] |
     parsed = _validate(body, model, context)
     refuse_unknown_fields(parsed, context)
     return parsed
+
+
+def body_reader(request: Request, model: type[M]) -> Callable[[], Awaitable[M]]:
+    """The request's body as `model` under the server's size caps, read when called: after admission
+    (request_start.start_request)."""
+    return lambda: parse_body(request, model, limits_context(server_state(request).config))
 
 
 def _validate(body: bytes, model: type[M], context: dict[str, Any] | None) -> M:

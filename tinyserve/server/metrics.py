@@ -9,8 +9,9 @@ token counters are fed per step from the engine thread (AsyncEngine.step_listene
 *sample* is one request here (n=2 counts two, as the engine schedules two sequences); its prompt tokens
 are counted once, on sample 0. The per-request series (histograms, outcomes, refusals; not the token
 totals) also carry an `api` label, the front door a request came in by (`http` or `grpc`): the engine
-knows nothing of it, so the gRPC service tags its requests (`track_api`; untagged ones are http) and
-sets API in its handlers' tasks for admission's refusals.
+knows nothing of it, so every request is tagged as it starts (server/request_start.py: `track_api` with
+API, which gRPC's handlers set in their tasks and is http elsewhere), and admission's refusals count
+under the same API.
 """
 
 from __future__ import annotations

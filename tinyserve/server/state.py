@@ -137,10 +137,12 @@ class ServerState:
         return min(limits) if limits else None
 
     async def acquire(self, name: str | None, arrival: float, timeout: float | None) -> LoadedModel:
-        """After parsing: the load a request's `model` names (404 if none), loaded on demand within the
-        request's timeout (`request_timeout`), and admitted. Wrap the work up to Generation.start in its
-        `pending()`."""
-        slot = self.registry.resolve(name)
+        """After parsing: the load a request's `model` names (404 if none), as `acquire_slot`."""
+        return await self.acquire_slot(self.registry.resolve(name), arrival, timeout)
+
+    async def acquire_slot(self, slot: ModelSlot, arrival: float, timeout: float | None) -> LoadedModel:
+        """The load now serving `slot`, loaded on demand within the request's timeout (`request_timeout`),
+        and admitted. Wrap the work up to Generation.start in its `pending()`."""
         self.check_phase()
         remaining = None if timeout is None else max(0.0, arrival + timeout - time.monotonic())
         return await self.registry.ensure_loaded(slot, remaining)
