@@ -12,6 +12,7 @@ from tinyserve.engine.memory import (describe_weight_bytes, fit_max_model_len, h
                                     resolve_max_model_len, weight_bytes_by_format)
 from tinyserve.layers.kv_cache import KVLayout
 from tinyserve.layers.linear import Linear, quantize_linear_weights
+from tinyserve.layers.rotary import RotaryEmbedding
 from tinyserve.loader.gguf import gguf_model_config, open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 
@@ -91,15 +92,17 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_quantized_model_s_weight_bytes_are_its_formats_tensors(tiny_llama, tied):
     """int4 blocks hold codes, scales and minimums, the head int8 codes and scales (a tied embedding reads the
-    same ones: counted once), the repacked linears' parameters are meta placeholders; the parameters alone
-    (what the start-up line counted) miss the codes."""
+    same ones: counted once), the repacked linears' parameters are meta placeholders; norms and the rotary
+    tables (plain tensor attributes) are "other". The parameters alone (what the start-up line counted, one
+    meta placeholder's nominal size among them) miss the codes."""
     model = tiny_llama(tied)
     quantize_linear_weights(model, "int4")
     blocks = [m.weight_format for m in model.model.modules() if isinstance(m, Linear)]
     head = model.lm_head.weight_format
     norms = [p for n, p in model.named_parameters() if "norm" in n]
+    rotary = {id(t): t for m in model.modules() if isinstance(m, RotaryEmbedding) for t in (m.cos, m.sin)}
     expected = {"int4": sum(_nbytes(f.codes, f.scales, f.minimums) for f in blocks),
-                "int8": _nbytes(head.codes, head.scales), "other": _nbytes(*norms)}
+                "int8": _nbytes(head.codes, head.scales), "other": _nbytes(*norms, *rotary.values())}
     if not tied:  # its own float table
         expected["dense"] = _nbytes(model.model.embed_tokens.weight)
     by_format = weight_bytes_by_format(model)

@@ -103,7 +103,8 @@ def weight_bytes_by_format(*models: torch.nn.Module) -> dict[str, int]:
     """Bytes of the tensors loaded models hold, by the format that holds them: each linear's (and
     embedding's) weight format (layers/weight_format.py: "int4" for Int4Weight's codes, scales and minimums,
     "bf16" for Bf16Weight's interleaved rows, "dense" for a plain matrix...; a repacked linear's parameter is a
-    meta placeholder), and "other" for the remaining parameters and buffers (norms, biases, rotary tables).
+    meta placeholder), and "other" for the remaining parameters, buffers and tensor attributes (norms, biases,
+    rotary tables).
     A tensor two modules share (a tied LM head's format is its embedding's) counts once."""
     seen, totals = set(), {}
     for model in models:
@@ -126,8 +127,8 @@ def _tensors_by_format(module: torch.nn.Module):
         for field in dataclasses.fields(weight_format):
             if isinstance(value := getattr(weight_format, field.name), torch.Tensor):
                 yield name, value
-    for value in [*module._parameters.values(), *module._buffers.values()]:
-        if isinstance(value, torch.Tensor):
+    for value in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+        if isinstance(value, torch.Tensor):  # tensors kept as plain attributes too (rotary tables)
             yield "other", value
 
 
