@@ -4,8 +4,8 @@ loopback without one): load, unload and swap the models a server serves while it
 Each replies with the model's card as /v1/models shows it, after the operation has finished: a load
 once the model has loaded (and warmed up), an unload once its in-flight requests have drained and its
 memory is freed, a swap once new requests go to the new weights and the old ones are freed. A load that
-fails replies 422 model_load_failed with the loader's message (507 model_too_large when it does not fit
-in memory), and a swap that fails leaves the old weights serving. A swap's path that is missing, not a regular file or folder of them, or no model at a
+fails replies 422 model_load_failed with the loader's message (507 model_too_large, from the registry,
+when it does not fit in memory), and a swap that fails leaves the old weights serving. A swap's path that is missing, not a regular file or folder of them, or no model at a
 first look (loader/model_files.py) is one 400 model_not_found, whichever it is: no file-system oracle.
 """
 
@@ -17,12 +17,10 @@ from typing import TypeVar
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
-from tinyserve.engine.memory_check import NotEnoughMemory
 from tinyserve.loader.model_files import looks_like_model
 from tinyserve.loader.model_loader import ModelLoadError, resolve_model_path, unknown_model
 from tinyserve.server.errors import APIError, BadRequest
 from tinyserve.server.intake import parse_body, require_api_key, server_state
-from tinyserve.server.model_registry import ModelDoesNotFit
 from tinyserve.server.model_slot import ModelSlot
 from tinyserve.server.protocol import ModelAdminRequest, ModelSwapRequest
 from tinyserve.server.routes import model_card
@@ -80,15 +78,11 @@ async def _target(request: Request, kind: type[M]) -> tuple[ServerState, ModelSl
 
 
 async def _run(slot: ModelSlot, operation) -> None:
-    """Await a load or swap; a failure is a 422 naming the model and the loader's reason, or a 507
-    model_too_large when the model does not fit in memory (engine/memory_check.py)."""
+    """Await a load or swap; a failure is a 422 naming the model and the loader's reason."""
     try:
         await operation
     except APIError:
         raise
-    except NotEnoughMemory as exc:  # the numbers and the flags that change them
-        raise ModelDoesNotFit(f"loading the model {slot.name!r} failed: {exc}", param="model",
-                              code="model_too_large") from None
     except Exception as exc:  # noqa: BLE001 - a bad file or setting: the admin reads why
         raise ModelLoadFailed(f"loading the model {slot.name!r} failed: {exc}", param="model",
                               code="model_load_failed") from None

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tinyserve.config import EngineConfig, ServerConfig
-from tinyserve.engine.memory_check import checkpoint_bytes
+from tinyserve.engine.memory_check import NotEnoughMemory, checkpoint_bytes
 from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.errors import APIError, NotFound, ServiceUnavailable
 from tinyserve.server.memory_stats import memory_snapshot
@@ -36,6 +36,11 @@ GIB = 1 << 30
 
 class ModelDoesNotFit(APIError):
     status, type = 507, "insufficient_storage"
+
+
+def _does_not_fit(slot: ModelSlot, exc: NotEnoughMemory) -> ModelDoesNotFit:
+    """The engine's memory check (engine/memory_check.py) as the API's 507: its numbers and flags."""
+    return ModelDoesNotFit(f"the model {slot.name!r} cannot be loaded: {exc}", param="model", code="model_too_large")
 
 
 def discover_models(models_dir: str) -> list[tuple[str, str]]:
@@ -153,7 +158,10 @@ class ModelRegistry:
     async def _load_locked(self, slot: ModelSlot) -> None:
         share_gib = self._plan(slot)
         await self._make_room(slot, self._share_bytes())
-        await slot.load(share_gib)
+        try:
+            await slot.load(share_gib)
+        except NotEnoughMemory as exc:
+            raise _does_not_fit(slot, exc) from None
 
     def _share_bytes(self) -> int | None:
         budget = self.config.memory_budget_gib
@@ -218,7 +226,10 @@ class ModelRegistry:
                 return
             share_gib = self._plan(slot, source)
             await self._make_room(slot, self._share_bytes())
-            await slot.swap(source, share_gib)
+            try:
+                await slot.swap(source, share_gib)
+            except NotEnoughMemory as exc:
+                raise _does_not_fit(slot, exc) from None
 
     # idle unload
 
