@@ -58,7 +58,7 @@ def main() -> None:
         floats = {n: m.weight.detach() for n, m in model.named_modules() if isinstance(m, Linear) and not m.is_lm_head}
     engines = {}
     for mode in modes:
-        engine = LLMEngine(EngineConfig(quantization=MODES[mode], cache=CacheConfig(cpu_kv_cache_memory_gib=0.25),
+        engine = LLMEngine(EngineConfig(quantization=MODES[mode], cache=CacheConfig(kv_cache_memory_gib=0.25),
                                         scheduler=SchedulerConfig(max_num_batched_tokens=max(512, args.tokens))))
         for name, module in engine.runner.model.named_modules():
             if name in floats and mode == "int8_g32":

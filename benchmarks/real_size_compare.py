@@ -52,7 +52,7 @@ WORKLOADS = {  # name -> tinyserve bench serve arguments
 def server_command(server: str, model: Path, port: int) -> list[str]:
     if server == "tinyserve":
         return [str(Path(sys.executable).with_name("tinyserve")), "serve", "--model", str(model), "--port", str(port),
-                "--max-model-len", "8192"]
+                "--max-model-len", "8192", "--kv-cache-memory", "1"]  # the 1 GiB pool of the recorded runs
     return [str(LLAMA_SERVER), "-m", str(model), "-t", "2", "-np", "16", "-c", "8192", "--port", str(port)]
 
 

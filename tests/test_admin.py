@@ -12,6 +12,7 @@ import socket
 import statistics
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 
 import httpx
@@ -25,12 +26,12 @@ from tinyserve.server.launcher import BackgroundServer
 PROMPT, MAX_TOKENS = "The capital of France is", 8
 
 
-def _server(folder: str, load_read_timeout: float = 30.0) -> BackgroundServer:
+def _server(folder: str, load_read_timeout: float = 30.0, engine_factory=None) -> BackgroundServer:
     engine_config = EngineConfig(model=folder, dtype="float32", device="cpu", cache=CacheConfig(num_blocks=64),
                                  scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=8),
                                  load_read_timeout=load_read_timeout)
     return BackgroundServer(engine_config, ServerConfig(port=0, warmup=False, served_model_names=("llama",),
-                                                        enable_admin_api=True))
+                                                        enable_admin_api=True), engine_factory)
 
 
 def _complete(base_url: str) -> str:
@@ -79,6 +80,30 @@ def test_a_swap_to_a_pipe_device_folder_socket_or_no_model_is_one_400_within_a_s
         assert bodies["missing"]["code"] == "model_not_found" and bodies["missing"]["param"] == "path"
         assert _complete(srv.base_url) == before  # the old weights serve, the engine thread is free
         assert httpx.get(srv.base_url + "/v1/models").json()["data"][0]["state"] == "loaded"
+
+
+def test_a_swap_that_does_not_fit_in_memory_is_a_507_naming_the_numbers(random_hf_folders):
+    """The engine's memory check (engine/memory_check.py) refuses the new model before its KV pool is
+    allocated: 507 model_too_large with weights + KV pool + activations in MiB and the flags; the old weights
+    keep serving."""
+    from tinyserve.engine.llm_engine import LLMEngine
+
+    big = random_hf_folders["qwen"]
+
+    def build(config: EngineConfig) -> LLMEngine:  # the new model asks for a pool larger than any machine's
+        if config.model == big:
+            config = replace(config, cache=replace(config.cache, num_blocks=None, kv_cache_memory_gib=1e6))
+        return LLMEngine(config)
+
+    with _server(random_hf_folders["llama"], engine_factory=build) as srv:
+        before = _complete(srv.base_url)
+        r = _swap(srv.base_url, big)
+        assert r.status_code == 507, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"], error["type"]) == ("model_too_large", "model", "insufficient_storage")
+        assert "does not fit in memory: weights" in error["message"]
+        assert "KV pool 1024000000 MiB" in error["message"] and "--kv-cache-memory" in error["message"]
+        assert _complete(srv.base_url) == before
 
 
 class _StalledReads:

@@ -72,3 +72,28 @@ def test_api_key_file_must_be_a_regular_file(tmp_path, capsys):
     thread.join(5)
     assert not thread.is_alive(), "reading the key blocked on a pipe"
     assert codes == [1] and "is not a regular file" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_is_auto_by_default_or_gib(capsys):
+    from tinyserve.cli import build_parser, engine_config_from_args
+
+    def cache(*argv):
+        return engine_config_from_args(build_parser().parse_args(["serve", *argv])).cache
+
+    assert cache().kv_cache_memory_gib is None  # auto: engine/memory_check.py sizes it
+    assert cache("--kv-cache-memory", "auto").kv_cache_memory_gib is None
+    assert cache("--kv-cache-memory", "0.5").kv_cache_memory_gib == 0.5
+    for bad in ("lots", "0", "-1"):
+        with pytest.raises(SystemExit):
+            cache("--kv-cache-memory", bad)
+    assert "must be auto or a number of GiB" in capsys.readouterr().err
+
+
+def test_a_server_whose_model_does_not_fit_exits_naming_the_numbers_and_the_flags(caplog):
+    """A KV pool larger than this machine's memory: the server exits 1 with one line that says weights +
+    KV pool + activations against the memory available, in MiB, and the flags that change them."""
+    assert main(["serve", "--port", "0", "--kv-cache-memory", "100000", "--dtype", "float32"]) == 1
+    line = next(r.getMessage() for r in caplog.records if "does not fit in memory" in r.getMessage())
+    assert "KV pool 102400000 MiB" in line and "MiB (the memory available to this process" in line
+    for flag in ("--kv-cache-memory", "--max-model-len", "--max-num-seqs", "--quantization", "--memory-budget"):
+        assert flag in line

@@ -1,6 +1,7 @@
 """The engine on the default model: batch invariance under queueing, chunked prefill and preemption;
 prefix caching; n > 1; stop strings; abort; every block free after each test."""
 
+import logging
 import random
 import threading
 
@@ -188,6 +189,22 @@ def test_kv_budget_too_small_is_refused(smollm2_loaded):
     config = EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.001))
     with pytest.raises(ValueError, match="fewer than one max-length sequence"):
         LLMEngine(config, loaded=smollm2_loaded)
+
+
+def test_a_pool_short_of_the_model_s_context_starts_it_with_the_context_that_fits(smollm2_loaded, caplog):
+    """Without --max-model-len, a pool that holds less than one sequence of the model's context (8192 tokens)
+    shortens the context to its whole blocks, rather than refusing to start; prompts past it are refused."""
+    config = smollm2_loaded.config
+    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # float32
+    num_blocks = int(0.1 * 2**30) // (bytes_per_token * 16)
+    with caplog.at_level(logging.WARNING, logger="tinyserve.engine.memory_check"):
+        engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.1)), loaded=smollm2_loaded)
+    assert config.max_position_embeddings == 8192 and num_blocks * 16 < 8192
+    assert engine.max_model_len == engine.config.scheduler.max_model_len == num_blocks * 16
+    assert engine.config.cache.num_blocks == num_blocks
+    assert f"context limited to {num_blocks * 16} tokens by memory" in caplog.text
+    with pytest.raises(ValueError, match=f"the model's context is {num_blocks * 16} tokens"):
+        engine.add_request("long", [100] * (num_blocks * 16), SamplingParams(max_tokens=1))
 
 
 def test_engines_sharing_one_loaded_model_keep_their_own_kv(smollm2_loaded):

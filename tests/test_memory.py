@@ -1,4 +1,5 @@
-"""Start-up sizing (engine/memory.py): the context a model gets, and what the KV capacity line claims."""
+"""Start-up sizing (engine/memory.py): the context a model gets, what the KV capacity line claims, and the
+bytes a loaded model's weights hold, by format."""
 
 import logging
 import re
@@ -7,8 +8,11 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, ModelConfig
-from tinyserve.engine.memory import resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.memory import (describe_weight_bytes, fit_max_model_len, held_weight_bytes, resolve_cache_config,
+                                    resolve_max_model_len, weight_bytes_by_format)
 from tinyserve.layers.kv_cache import KVLayout
+from tinyserve.layers.linear import Linear, quantize_linear_weights
+from tinyserve.layers.rotary import RotaryEmbedding
 from tinyserve.loader.gguf import gguf_model_config, open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 
@@ -79,3 +83,41 @@ def test_gemma3_270m_at_8k_holds_over_3x_the_sequences_it_would_keeping_every_bl
                                r"their window: [\d.]+x the ([\d.]+) they would", caplog.text).groups()
     assert float(held) == pytest.approx(cache.num_blocks / 677, abs=0.05)
     assert float(held) / float(kept_all) >= 4.5
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_quantized_model_s_weight_bytes_are_its_formats_tensors(tiny_llama, tied):
+    """int4 blocks hold codes, scales and minimums, the head int8 codes and scales (a tied embedding reads the
+    same ones: counted once), the repacked linears' parameters are meta placeholders; norms and the rotary
+    tables (plain tensor attributes) are "other". The parameters alone (what the start-up line counted, one
+    meta placeholder's nominal size among them) miss the codes."""
+    model = tiny_llama(tied)
+    quantize_linear_weights(model, "int4")
+    blocks = [m.weight_format for m in model.model.modules() if isinstance(m, Linear)]
+    head = model.lm_head.weight_format
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    rotary = {id(t): t for m in model.modules() if isinstance(m, RotaryEmbedding) for t in (m.cos, m.sin)}
+    expected = {"int4": sum(_nbytes(f.codes, f.scales, f.minimums) for f in blocks),
+                "int8": _nbytes(head.codes, head.scales), "other": _nbytes(*norms, *rotary.values())}
+    if not tied:  # its own float table
+        expected["dense"] = _nbytes(model.model.embed_tokens.weight)
+    by_format = weight_bytes_by_format(model)
+    assert by_format == expected
+    assert held_weight_bytes(model) == sum(expected.values())
+    assert sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta) < held_weight_bytes(model)
+
+
+def test_the_weight_line_names_each_format_largest_first():
+    by_format = {"other": 5 << 20, "int4": 560 << 20, "int8": 47 << 20}
+    assert describe_weight_bytes(by_format) == "612 MiB (int4 560 MiB, int8 47 MiB, other 5 MiB)"
+
+
+@pytest.mark.parametrize("num_blocks, expected", [(256, 4096), (255, 4080), (100, 1600), (32, 512), (31, None)])
+def test_the_model_s_context_shortened_to_what_the_pool_holds(num_blocks, expected):
+    """Full attention, 16-token blocks, a 4096-token context: the longest whole-block context the pool holds,
+    down to 512 tokens (MIN_FITTED_CONTEXT); below that, None (the pool is refused)."""
+    assert fit_max_model_len(num_blocks, (None,), 4096, 512, 16) == expected

@@ -305,7 +305,10 @@ def test_a_draft_models_weights_and_pool_count_in_the_models_memory(folders):
     """Speculative method "draft" holds a second model and KV pool: the slot's memory figures include both."""
     from tinyserve.config import SpeculativeConfig
     from tinyserve.engine.llm_engine import LLMEngine
-    from tinyserve.server.model_slot import _kv_bytes, _weight_bytes
+    from tinyserve.server.model_slot import _kv_bytes, _weight_bytes_by_format
+
+    def _weight_bytes(engine):
+        return sum(_weight_bytes_by_format(engine).values())
 
     plain = LLMEngine(_engine_config(folders["llama"]))
     spec = SpeculativeConfig(method="draft", draft_model=folders["qwen"], num_speculative_tokens=2)

@@ -41,9 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
                    help="the linears' weights on CPU: auto (default) runs a GGUF stored quantized through our "
                         "integer kernels (its own codes) and keeps a float checkpoint's dtype; none forces the "
                         "float path; int8 / int4 quantize any checkpoint; see README 'Speed modes'")
-    g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory_gib, metavar="GIB",
-                   help=f"KV cache budget in GiB (default: {CacheConfig.cpu_kv_cache_memory_gib:g} GiB on CPU, "
-                        f"{CacheConfig.memory_fraction:.0%}% of the free memory on CUDA)")  # "%%": argparse %-formats help
+    g.add_argument("--kv-cache-memory", type=kv_cache_memory, default="auto", metavar="GIB|auto",
+                   help=f"KV cache pool in GiB, or auto (default): on CPU what --max-num-seqs full contexts need, "
+                        f"at most {CacheConfig.memory_fraction:.0%}% of the memory left after the weights (at least "
+                        f"{CacheConfig.cpu_kv_cache_memory_gib:g} GiB where that much is left; within "
+                        f"--memory-budget's share, all of it), on CUDA {CacheConfig.memory_fraction:.0%}% of "
+                        "the free memory; a model whose context needs more starts with the context that fits")  # "%%": argparse
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; int8: 8-bit K/V with a scale per token and head, ~1.9x the "
@@ -107,6 +110,19 @@ def add_generation_config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--override-generation-config", type=_json_object, default={}, metavar="JSON",
                    help=f"fields over those, e.g. '{{\"temperature\": 0.5}}' (known: {', '.join(SAMPLING_DEFAULT_FIELDS)}; "
                         "top_k -1, 0 or null: no cut)")
+
+
+def kv_cache_memory(text: str) -> float | None:
+    """--kv-cache-memory: "auto" (None: CacheConfig sizes the pool from free memory) or GiB > 0."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of GiB, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of GiB > 0, got {text!r}")
+    return value
 
 
 def _json_object(text: str) -> dict:

@@ -202,11 +202,16 @@ KV_CACHE_DTYPES = ("auto", "int8")
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory_gib: float | None = None  # explicit budget; None: a fraction of free device memory
-    memory_fraction: float = 0.5  # of free memory, when no explicit budget is given (CUDA)
-    # With no explicit budget on the CPU, a fixed space (like vLLM's CPU default): a fraction of a shared
-    # host's free memory would be a moving target.
-    cpu_kv_cache_memory_gib: float = 1.0
+    # The KV pool in GiB; None: auto (`--kv-cache-memory auto`). Auto on CUDA: memory_fraction of the free device
+    # memory after the weights. Auto on CPU (engine/memory_check.py): what max_num_seqs full contexts need, no
+    # more; memory_fraction of what the process may still use after the weights and activations, but at least
+    # cpu_kv_cache_memory_gib where that much is left; within memory_share_gib, all of the share left.
+    kv_cache_memory_gib: float | None = None
+    memory_fraction: float = 0.5  # of free memory, when no explicit budget is given
+    cpu_kv_cache_memory_gib: float = 1.0  # auto's floor on CPU, where memory allows
+    # this model's share of the server's --memory-budget (weights + KV pool + activations), set by the
+    # registry (server/model_registry.py); None: no budget
+    memory_share_gib: float | None = None
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # derived at start-up from the budget; set directly only in tests
     # "auto": the model's dtype; "int8": codes with a float16 scale per token and head (layers/kv_cache.py),
@@ -218,6 +223,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.memory_share_gib is not None and self.memory_share_gib <= 0:
+            raise ValueError(f"memory_share_gib must be > 0 GiB, got {self.memory_share_gib}")
         if self.cpu_kv_cache_memory_gib <= 0:
             raise ValueError(f"cpu_kv_cache_memory_gib must be > 0, got {self.cpu_kv_cache_memory_gib}")
         if not 0 < self.memory_fraction <= 1:

@@ -32,7 +32,9 @@ from tinyserve.engine.cuda_graphs import decode_graphs_apply
 from tinyserve.engine.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
 from tinyserve.engine.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model_in_pieces
-from tinyserve.engine.memory import kv_bytes_per_token, kv_pool_dtype, resolve_cache_config, resolve_max_model_len
+from tinyserve.engine.memory import (held_weight_bytes, kv_bytes_per_token, kv_pool_dtype, resolve_cache_config,
+                                    resolve_max_model_len)
+from tinyserve.engine.memory_check import check_checkpoint_fits, load_allowance, size_kv_pool
 from tinyserve.engine.model_runner import ModelRunner, StepResult
 from tinyserve.engine.output_processor import OutputProcessor
 from tinyserve.engine.recent_activity import RecentActivity, StepRecord
@@ -43,7 +45,7 @@ from tinyserve.engine.stats import EngineStats
 from tinyserve.engine.grammar_budget import clip
 from tinyserve.engine.structured_output import StructuredOutputs
 from tinyserve.layers.kv_cache import KVLayout, layer_caches
-from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
+from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces, resolve_device
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.parallel.group import RankFailure
 from tinyserve.parallel.launch import Ranks
@@ -84,13 +86,19 @@ class LLMEngine:
 
     def _set_up_with(self, config: EngineConfig, loaded: LoadedModel | None, draft: LoadedModel | None,
                      ranks: Ranks | None) -> Job[None]:
+        allowance = None  # what this load may take of the host's memory (engine/memory_check.py)
         if loaded is None:
             map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory.py)
             if ranks is not None:
                 loaded = yield from rank_setup.load_shard(config, ranks)
             else:
+                allowance = load_allowance(config.cache, resolve_device(config.device))
+                check_checkpoint_fits(config.model, allowance)
                 loaded = yield from load_model_in_pieces(config.model, config.dtype, config.device, config.quantization,
                                                           read_timeout_s=config.load_read_timeout)
+        elif ranks is None:  # loaded before this engine: its weights are already out of what is available
+            allowance = load_allowance(config.cache, device_and_dtype(loaded.model)[0],
+                                       held_weight_bytes(loaded.model))
         if config.speculative.method == "draft":
             if draft is None:
                 draft = yield from load_draft_model_in_pieces(config)
@@ -105,7 +113,6 @@ class LLMEngine:
         self.sampling_defaults = resolve_sampling_defaults(config, loaded)
         device, dtype = device_and_dtype(loaded.model)
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded.config)
-        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         draft_bytes = kv_bytes_per_token(draft.config, device_and_dtype(draft.model)[1]) if draft else 0
         layout = KVLayout.for_windows(loaded.config.layer_sliding_windows())
         cache = config.cache
@@ -113,6 +120,10 @@ class LLMEngine:
         if ranks is not None:  # the blocks every rank's budget holds
             layout, num_blocks = rank_setup.agree_num_blocks(config, ranks, loaded, kv_dtype)
             cache = replace(cache, num_blocks=num_blocks)
+        weights = held_weight_bytes(loaded.model) + (held_weight_bytes(draft.model) if draft else 0)
+        cache, max_model_len = size_kv_pool(cache, config.scheduler, loaded.config, layout, kv_dtype, device,
+                                            allowance, weights, max_model_len, draft_bytes)
+        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         cache_config = resolve_cache_config(cache, loaded.config, kv_dtype, device, max_model_len,
                                             scheduler_config.max_num_batched_tokens, layout, draft_bytes)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)

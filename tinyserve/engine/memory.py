@@ -16,6 +16,10 @@ from tinyserve.layers.kv_cache import KVLayout, kv_row_bytes
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+MIB = 1 << 20
+# A model's own context is shortened to what its KV pool holds (fit_max_model_len), but not below this: a
+# shorter one would refuse most prompts, so such a pool is refused at start-up instead.
+MIN_FITTED_CONTEXT = 512
 
 
 def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
@@ -26,6 +30,25 @@ def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
     if requested > limit:
         raise ValueError(f"max_model_len ({requested}) exceeds the model's context of {limit} tokens")
     return requested
+
+
+def fit_max_model_len(num_blocks: int, group_windows: tuple[int | None, ...], max_model_len: int, max_chunk: int,
+                      block_size: int) -> int | None:
+    """max_model_len where a pool of num_blocks holds one such sequence prefilled in chunks of up to max_chunk
+    tokens; else the longest context in whole blocks it holds, None below MIN_FITTED_CONTEXT tokens (or the
+    model's context, if shorter)."""
+    def holds(num_tokens: int) -> bool:
+        return blocks_held(group_windows, num_tokens, max_chunk, block_size) <= num_blocks
+
+    if holds(max_model_len):
+        return max_model_len
+    if not holds(min(MIN_FITTED_CONTEXT, max_model_len)):
+        return None
+    lo, hi = MIN_FITTED_CONTEXT // block_size, -(-max_model_len // block_size)  # in blocks: lo holds, hi not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if holds(mid * block_size) else (lo, mid)
+    return max(lo * block_size, MIN_FITTED_CONTEXT)
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype) -> int:
@@ -76,20 +99,48 @@ def rank_num_blocks(cache: CacheConfig, model: ModelConfig, layout: KVLayout, la
     return kv_budget_bytes(cache, device) // (per_token * cache.block_size)
 
 
+def weight_bytes_by_format(*models: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the tensors loaded models hold, by the format that holds them: each linear's (and
+    embedding's) weight format (layers/weight_format.py: "int4" for Int4Weight's codes, scales and minimums,
+    "bf16" for Bf16Weight's interleaved rows, "dense" for a plain matrix...; a repacked linear's parameter is a
+    meta placeholder), and "other" for the remaining parameters, buffers and tensor attributes (norms, biases,
+    rotary tables).
+    A tensor two modules share (a tied LM head's format is its embedding's) counts once."""
+    seen, totals = set(), {}
+    for model in models:
+        for module in model.modules():
+            for name, t in _tensors_by_format(module):
+                if t.is_meta or not t.numel():
+                    continue
+                key = t.data_ptr() if t.layout == torch.strided else id(t)  # an opaque (oneDNN) layout has none
+                if key not in seen:
+                    seen.add(key)
+                    totals[name] = totals.get(name, 0) + t.numel() * t.element_size()
+    return totals
+
+
+def _tensors_by_format(module: torch.nn.Module):
+    """The module's weight format's tensor fields first (a dense format's is the module's own parameter)."""
+    weight_format = getattr(module, "weight_format", None)
+    if dataclasses.is_dataclass(weight_format):
+        name = type(weight_format).__name__.removesuffix("Weight").lower()
+        for field in dataclasses.fields(weight_format):
+            if isinstance(value := getattr(weight_format, field.name), torch.Tensor):
+                yield name, value
+    for value in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+        if isinstance(value, torch.Tensor):  # tensors kept as plain attributes too (rotary tables)
+            yield "other", value
+
+
 def held_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the tensors a loaded model holds: parameters, buffers, and the packed or quantized formats
-    its linears multiply by (whose tensors live in a weight format, its parameter a meta placeholder)."""
-    seen, total = set(), 0
-    for module in model.modules():
-        values = [*module._parameters.values(), *module._buffers.values()]
-        weight_format = getattr(module, "weight_format", None)
-        if dataclasses.is_dataclass(weight_format):
-            values += [getattr(weight_format, f.name) for f in dataclasses.fields(weight_format)]
-        for t in values:
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes of the tensors a loaded model holds, whatever their format (weight_bytes_by_format)."""
+    return sum(weight_bytes_by_format(model).values())
+
+
+def describe_weight_bytes(by_format: dict[str, int]) -> str:
+    """"612 MiB (int4 560 MiB, dense 47 MiB, other 5 MiB)", largest first."""
+    parts = ", ".join(f"{name} {n / MIB:.0f} MiB" for name, n in sorted(by_format.items(), key=lambda kv: -kv[1]))
+    return f"{sum(by_format.values()) / MIB:.0f} MiB ({parts})"
 
 
 def host_free_bytes() -> int:

@@ -4,8 +4,8 @@ loopback without one): load, unload and swap the models a server serves while it
 Each replies with the model's card as /v1/models shows it, after the operation has finished: a load
 once the model has loaded (and warmed up), an unload once its in-flight requests have drained and its
 memory is freed, a swap once new requests go to the new weights and the old ones are freed. A load that
-fails replies 422 model_load_failed with the loader's message, and a swap that fails leaves the old
-weights serving. A swap's path that is missing, not a regular file or folder of them, or no model at a
+fails replies 422 model_load_failed with the loader's message (507 model_too_large, from the registry,
+when it does not fit in memory), and a swap that fails leaves the old weights serving. A swap's path that is missing, not a regular file or folder of them, or no model at a
 first look (loader/model_files.py) is one 400 model_not_found, whichever it is: no file-system oracle.
 """
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.engine.memory_check import NotEnoughMemory, checkpoint_bytes
 from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.errors import APIError, NotFound, ServiceUnavailable
 from tinyserve.server.memory_stats import MemorySnapshot, ModelMemory, memory_snapshot
@@ -31,11 +32,15 @@ from tinyserve.server.model_slot import LoadedModel, ModelSlot
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
-_WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin")
 
 
 class ModelDoesNotFit(APIError):
     status, type = 507, "insufficient_storage"
+
+
+def _does_not_fit(slot: ModelSlot, exc: NotEnoughMemory) -> ModelDoesNotFit:
+    """The engine's memory check (engine/memory_check.py) as the API's 507: its numbers and flags."""
+    return ModelDoesNotFit(f"the model {slot.name!r} cannot be loaded: {exc}", param="model", code="model_too_large")
 
 
 def discover_models(models_dir: str) -> list[tuple[str, str]]:
@@ -50,16 +55,6 @@ def discover_models(models_dir: str) -> list[tuple[str, str]]:
         elif path.is_dir() and (path / "config.json").is_file():
             found.append((path.name, str(path)))
     return found
-
-
-def size_on_disk(source: str) -> int:
-    """Bytes of the weight files of a GGUF file or an HF folder (0 for an alias not downloaded yet)."""
-    path = Path(source)
-    if path.is_file():
-        return path.stat().st_size
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
-    return 0
 
 
 class ModelRegistry:
@@ -171,9 +166,12 @@ class ModelRegistry:
                 await self._load_locked(slot)
 
     async def _load_locked(self, slot: ModelSlot) -> None:
-        kv_gib = self._plan(slot)
+        share_gib = self._plan(slot)
         await self._make_room(slot, self._share_bytes())
-        await slot.load(kv_gib)
+        try:
+            await slot.load(share_gib)
+        except NotEnoughMemory as exc:
+            raise _does_not_fit(slot, exc) from None
 
     def _share_bytes(self) -> int | None:
         budget = self.config.memory_budget_gib
@@ -182,22 +180,23 @@ class ModelRegistry:
         return int(budget * GIB / (self.config.max_loaded_models or 1))
 
     def _plan(self, slot: ModelSlot, source: str | None = None) -> float | None:
-        """The KV pool (GiB) of a new load of `slot` under the memory budget; None without a budget."""
+        """The share of the memory budget (GiB) a new load of `slot` sizes its KV pool within (CacheConfig's
+        memory_share_gib, engine/memory_check.py); None without a budget. Weights larger on disk than the
+        share are refused here, before anything is evicted for them."""
         share = self._share_bytes()
         if share is None:
             return None
-        weights = size_on_disk(source or slot.source)
-        kv = share - weights
-        if kv <= 0:
+        weights = checkpoint_bytes(source or slot.source)
+        if weights >= share:
             slot.phase = "failed" if slot.current is None else slot.phase
             slot.error = (f"its weights ({weights / GIB:.2f} GiB on disk) do not fit its share of the memory "
                           f"budget ({share / GIB:.2f} GiB = {self.config.memory_budget_gib:g} GiB / "
                           f"{self.config.max_loaded_models or 1} models)")
             raise ModelDoesNotFit(f"the model {slot.name!r} cannot be loaded: {slot.error}", code="model_too_large")
-        logger.info("model %s: KV pool %.2f GiB = share %.2f GiB (budget %g GiB / %d) - weights %.2f GiB",
-                    slot.name, kv / GIB, share / GIB, self.config.memory_budget_gib,
+        logger.info("model %s: weights, KV pool and activations within a share of %.2f GiB (budget %g GiB / %d); "
+                    "weights %.2f GiB on disk", slot.name, share / GIB, self.config.memory_budget_gib,
                     self.config.max_loaded_models or 1, weights / GIB)
-        return kv / GIB
+        return share / GIB
 
     async def _make_room(self, slot: ModelSlot, footprint: int | None) -> None:
         """Unload least recently used models (idle ones first) until `slot` may load beside the rest."""
@@ -235,9 +234,12 @@ class ModelRegistry:
                     slot.source = previous
                     raise
                 return
-            kv_gib = self._plan(slot, source)
+            share_gib = self._plan(slot, source)
             await self._make_room(slot, self._share_bytes())
-            await slot.swap(source, kv_gib)
+            try:
+                await slot.swap(source, share_gib)
+            except NotEnoughMemory as exc:
+                raise _does_not_fit(slot, exc) from None
 
     # idle unload
 

@@ -24,6 +24,7 @@ from tinyserve.config import EngineConfig, SamplingDefaults, ServerConfig
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.engine.draft_model import DraftModelProposer
 from tinyserve.engine.malloc_tuning import return_freed_host_memory
+from tinyserve.engine.memory import describe_weight_bytes, weight_bytes_by_format
 from tinyserve.engine.step_loop import StepLoop
 from tinyserve.server.admission import AdaptiveAdmission, AdmissionTicket
 from tinyserve.server.errors import BadRequest, ServiceUnavailable
@@ -185,11 +186,12 @@ class ModelSlot:
 
     # lifecycle (the registry calls these under its lock)
 
-    async def load(self, kv_cache_memory_gib: float | None = None) -> None:
-        """Load `source`; on failure the slot is failed with the reason and raises it."""
+    async def load(self, memory_share_gib: float | None = None) -> None:
+        """Load `source` (within memory_share_gib: its share of --memory-budget); on failure the slot is failed
+        with the reason and raises it."""
         self.phase, self.error = "loading", None
         try:
-            self.current = await self._build(self.source, kv_cache_memory_gib)
+            self.current = await self._build(self.source, memory_share_gib)
         except Exception as exc:
             self.phase, self.error = "failed", _reason(exc)
             self.metrics.metric_set.loads.labels(self.name, "failed").inc()
@@ -198,13 +200,13 @@ class ModelSlot:
         self.phase = "loaded"
         self.last_used = time.monotonic()
 
-    async def swap(self, source: str, kv_cache_memory_gib: float | None = None) -> None:
+    async def swap(self, source: str, memory_share_gib: float | None = None) -> None:
         """Serve `source` under this name: build it beside the current load (which keeps serving, and
         keeps serving if the build fails), switch, then drain and free the old one."""
         start = time.perf_counter()
         counter = self.metrics.metric_set.swaps
         try:
-            new = await self._build(source, kv_cache_memory_gib)
+            new = await self._build(source, memory_share_gib)
         except Exception as exc:
             counter.labels(self.name, "failed").inc()
             logger.error("model %s: swap to %s failed, %s keeps serving: %s", self.name, source, self.source,
@@ -254,11 +256,9 @@ class ModelSlot:
         self.metrics.metric_set.unloads.labels(self.name, reason).inc()
         logger.info("model %s: unloaded (%s), %.0f MiB freed", self.name, reason, freed / 2**20)
 
-    async def _build(self, source: str, kv_cache_memory_gib: float | None) -> LoadedModel:
+    async def _build(self, source: str, memory_share_gib: float | None) -> LoadedModel:
         start = time.perf_counter()
-        cache = self.engine_config.cache
-        if kv_cache_memory_gib is not None and cache.num_blocks is None:
-            cache = replace(cache, kv_cache_memory_gib=kv_cache_memory_gib)
+        cache = replace(self.engine_config.cache, memory_share_gib=memory_share_gib)
         engine_config = replace(self.engine_config, model=source, cache=cache)
         engine = await AsyncEngine.launch(self._engine_job(engine_config), stall_timeout=self.config.stall_timeout,
                                           step_loop=self.step_loop())
@@ -267,16 +267,17 @@ class ModelSlot:
             if self.config.warmup:
                 await _warm_up(engine)
             engine.step_listeners.append(self.metrics.on_step)
+            weights = _weight_bytes_by_format(llm_engine)
             loaded = LoadedModel(source, engine, TokenTexts(llm_engine.tokenizer), llm_engine.max_model_len,
-                                 llm_engine.sampling_defaults, _weight_bytes(llm_engine), _kv_bytes(llm_engine))
+                                 llm_engine.sampling_defaults, sum(weights.values()), _kv_bytes(llm_engine))
         except BaseException:
             await asyncio.to_thread(engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
             raise
         self.load_seconds = time.perf_counter() - start
         self.metrics.metric_set.loads.labels(self.name, "ok").inc()
         self.metrics.metric_set.load_seconds.labels(self.name).observe(self.load_seconds)
-        logger.info("model %s: loaded %s in %.2fs (context %d tokens, weights %.0f MiB, KV pool %.0f MiB)",
-                    self.name, source, self.load_seconds, loaded.max_model_len, loaded.weight_bytes / 2**20,
+        logger.info("model %s: loaded %s in %.2fs (context %d tokens, weights %s, KV pool %.0f MiB)",
+                    self.name, source, self.load_seconds, loaded.max_model_len, describe_weight_bytes(weights),
                     loaded.kv_bytes / 2**20)
         return loaded
 
@@ -324,18 +325,11 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _weight_bytes(llm_engine) -> int:
-    """Bytes of the tensors the model holds (parameters, buffers and packed weights kept as attributes),
-    a draft model's (speculative method "draft") included."""
-    import torch
-
-    seen, total = set(), 0
-    for module in _models(llm_engine):
-        for value in list(module._parameters.values()) + list(module._buffers.values()) + list(vars(module).values()):
-            if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                total += value.numel() * value.element_size()
-    return total
+def _weight_bytes_by_format(llm_engine) -> dict[str, int]:
+    """Bytes of the tensors the model holds, by weight format (engine/memory.py), a draft model's
+    (speculative method "draft") included."""
+    draft = _draft(llm_engine)
+    return weight_bytes_by_format(llm_engine.runner.model, *([draft.model] if draft else []))
 
 
 def _kv_bytes(llm_engine) -> int:
@@ -353,12 +347,6 @@ def _kv_bytes(llm_engine) -> int:
 def _draft(llm_engine) -> DraftModelProposer | None:
     """The engine's draft-model proposer, if it has one (it holds a second model and pool)."""
     return llm_engine.proposer if isinstance(llm_engine.proposer, DraftModelProposer) else None
-
-
-def _models(llm_engine):
-    yield from llm_engine.runner.model.modules()
-    if draft := _draft(llm_engine):
-        yield from draft.model.modules()
 
 
 def _return_freed_memory() -> None:
