@@ -140,3 +140,18 @@ def test_a_tensor_s_pages_leave_the_process_once_read(tmp_path, tiny_llama):
     page_kib = 4
     # what is left: the pages a tensor shares with its neighbours (at most 2 each), and the header's
     assert _mapping_rss_kib(path) <= page_kib * (2 * len(sources) + 2) < read_all
+
+
+@needs_int_kernels
+def test_a_tied_head_keeps_its_file_s_4_bit_codes_and_the_embedding_looks_up_in_them(tmp_path, tiny_llama):
+    """Q4_0 token_embd, no output.weight (tied): the head is int4 from the file's codes, the embedding reads
+    its rows from the same codes (no float copy of the matrix), each row the file's values exactly."""
+    path = _write(tmp_path / "tied.gguf", tiny_llama, qtype=Q.Q4_0, drop=("output.weight",))
+    model = _load(path)
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert isinstance(head.weight_format, Int4Weight) and embedding.weight_format is head.weight_format
+    assert embedding.weight.is_meta
+    [blocks] = [t.data for t in open_gguf(path).tensors if t.name == "token_embd.weight"]
+    values = torch.from_numpy(REFERENCES[Q.Q4_0](blocks.reshape(-1, 18))).reshape(blocks.shape[0], -1).float()
+    ids = torch.tensor([0, 17, 255, 3])
+    assert torch.equal(embedding(ids), values[ids])

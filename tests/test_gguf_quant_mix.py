@@ -33,7 +33,7 @@ MIX = {
     "blk.1.attn_q.weight": Q.Q4_0, "blk.1.attn_k.weight": Q.Q4_0, "blk.1.attn_v.weight": Q.Q4_1,
     "blk.1.attn_output.weight": Q.Q8_0, "blk.1.ffn_gate.weight": Q.Q5_1, "blk.1.ffn_up.weight": Q.Q4_1,
     "blk.1.ffn_down.weight": Q.F16,
-    "token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0,  # the head: int8 in both modes, whatever its type
+    "token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0,  # the head: its file's Q4_x codes, else int8
 }
 # our module -> its format under --quantization int4
 INT4_MIX_FORMATS = {
@@ -41,7 +41,7 @@ INT4_MIX_FORMATS = {
     "model.layers.0.mlp.gate_up_proj": Int4Weight, "model.layers.0.mlp.down_proj": Int8Weight,
     "model.layers.1.self_attn.qkv_proj": Int4Weight, "model.layers.1.self_attn.o_proj": Int8Weight,
     "model.layers.1.mlp.gate_up_proj": Int8Weight, "model.layers.1.mlp.down_proj": Int4Weight,
-    "lm_head": Int8Weight,
+    "lm_head": Int4Weight,  # Q4_0 in the file: its own codes (int8 mode: int8)
 }
 
 

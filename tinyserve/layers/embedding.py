@@ -1,13 +1,13 @@
-"""Token (and position) embeddings: a row lookup, from the int8 codes of a quantized tied head if any.
+"""Token (and position) embeddings: a row lookup, from the codes of a quantized tied head if any.
 
 Why a class of our own: the weights always come from a checkpoint, so the random init nn.Embedding runs
 at construction is skipped. On the meta device (where the loader builds models) that init is torch's
 Python reference of `normal_`, whose first use imports torch._dynamo and sympy: resident memory for a
 server that never compiles anything (docs/PERFORMANCE.md, "Resident memory").
 
-Why int8 lookups: a quantized model's tied LM head is int8 (layers/quant.py), and the embedding's rows
-are exactly its values, so the rows are read from the head's codes instead of a bfloat16 copy of the
-vocab x hidden matrix.
+Why lookups in codes: a quantized model's tied LM head is int8, or the file's own int4 codes
+(layers/linear.py, quantized_format), and the embedding's rows are exactly its values, so the rows are read
+from the head's codes instead of a float copy of the vocab x hidden matrix.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from torch import nn
 
 from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
-from tinyserve.layers.quant import Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int8Weight
 from tinyserve.layers.weight_format import DenseWeight
 from tinyserve.parallel.group import SINGLE, TensorParallelGroup
 from tinyserve.parallel.shard import CheckpointSlice, column_slice
 
 
 class Embedding(DirectCall, nn.Embedding):
-    """Looks rows up in `weight_format`: DenseWeight(self.weight), or the Int8Weight of a quantized tied
-    head (set by quantize_linear_weights; `weight` is then a placeholder on meta). The same NOTE as
+    """Looks rows up in `weight_format`: DenseWeight(self.weight), or the Int8Weight / Int4Weight of a
+    quantized tied head (set by the loader; `weight` is then a placeholder on meta). The same NOTE as
     Linear's holds: a replaced parameter needs use_dense_weight again."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup = SINGLE):
@@ -42,11 +42,11 @@ class Embedding(DirectCall, nn.Embedding):
         pass  # filled by the loader (see the module docstring)
 
     def use_dense_weight(self) -> None:
-        self.weight_format: DenseWeight | Int8Weight = DenseWeight(self.weight)
+        self.weight_format: DenseWeight | Int8Weight | Int4Weight = DenseWeight(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_slice is None:
-            return ops.embedding(ids, self.weight_format).to(self.weight.dtype)  # int8 rows come as float32
+            return ops.embedding(ids, self.weight_format).to(self.weight.dtype)  # rows from codes come as float32
         # this rank's rows, zeros for the others' ids; the sum over the group has every row exactly
         local = ids - self.weight_slice.start
         outside = (local < 0) | (local >= self.weight_slice.length)

@@ -168,12 +168,12 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight) -> torch.Tensor:
-    """Rows `ids` of the matrix: [n] -> [n, dim]; from int8 codes as float32 (the caller casts)."""
+def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight) -> torch.Tensor:
+    """Rows `ids` of the matrix: [n] -> [n, dim]; from int8 or int4 codes as float32 (the caller casts)."""
     match weight:
         case DenseWeight():
             return F.embedding(ids, weight.weight)
-        case Int8Weight():
+        case Int8Weight() | Int4Weight():
             return weight.rows(ids)
         case _:
             raise TypeError(f"no embedding lookup for a {type(weight).__name__}")

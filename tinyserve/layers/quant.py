@@ -191,6 +191,20 @@ class Int4Weight:
         packed, (scales, minimums) = kernel_layout(chunks, [codes.scales, codes.minimums])
         return cls(packed, scales, minimums, out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout:
+        code * scale + minimum, as the kernels widen them (code * scale is exact, so one rounding either way)."""
+        blocks = self.codes.shape[0]
+        codes = self.codes.view(blocks, -1, KERNEL_ROWS, 4)  # [block, group and chunk, row, byte]
+        scales = self.scales.view(blocks, -1, KERNEL_ROWS)  # [block, group, row]
+        minimums = self.minimums.view(blocks, -1, KERNEL_ROWS)
+        block, row = ids // KERNEL_ROWS, ids % KERNEL_ROWS
+        chunks = codes[block, :, row]  # [n, group and chunk, byte]: inputs 8 * chunk + byte (low), + 4 (high)
+        nibbles = torch.stack([chunks & 0x0F, chunks >> 4], dim=-2)  # [n, group and chunk, nibble, byte]
+        groups = nibbles.reshape(len(ids), scales.shape[1], GROUP).float()
+        values = groups * scales[block, :, row].float()[..., None] + minimums[block, :, row].float()[..., None]
+        return values.flatten(1)
+
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:
     """int4 and int8 run on CPU at bfloat16 (their kernels round the activations to int8 from bfloat16);

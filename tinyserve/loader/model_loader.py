@@ -40,7 +40,7 @@ from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields,
 from tinyserve.loader.model_files import is_model_source, not_a_model
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.staged_linears import stage_linears
-from tinyserve.loader.weights import load_weights_in_pieces, match_tensors, note_stored_bits
+from tinyserve.loader.weights import file_code_bits, load_weights_in_pieces, match_tensors, note_stored_bits
 from tinyserve.models.registry import get_model_class
 from tinyserve.parallel.shard import ModelShard
 from tinyserve.types import Job, run_to_end
@@ -170,8 +170,11 @@ def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, devi
     # Names and shapes from the files' headers against the model on meta: a config that does not describe
     # the checkpoint (say 10^12 parameters beside a 1 MB file) is refused before anything is allocated.
     tensors = list(tensors)
-    note_stored_bits(match_tensors(model, tensors, ignore))
-    staged = stage_linears(model, quantization) if quantization and ops.has_cpu_kernels() else {}
+    matches = match_tensors(model, tensors, ignore)
+    note_stored_bits(matches)
+    staged = {}
+    if quantization and ops.has_cpu_kernels():
+        staged = stage_linears(model, quantization, file_code_bits(matches))
     _materialize(model, load_dtype, device, on_meta=staged)
     # NOTE: parameters that need no grad, rather than `with torch.no_grad()` around the pieces: grad mode
     # is the thread's, and the step loop runs other work between them
@@ -179,7 +182,7 @@ def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, devi
     yield
     yield from load_weights_in_pieces(model, tensors, ignore=ignore, reads=reads, staged=staged)
     if quantization:
-        yield from quantize_linear_weights_in_pieces(model, quantization)  # what is still dense: a tied head
+        yield from quantize_linear_weights_in_pieces(model, quantization)  # without our kernels: dequantized
         model = model.to(dtype)
         yield
     if can_pack(dtype, device):

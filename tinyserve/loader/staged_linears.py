@@ -1,6 +1,7 @@
 """A quantized model's linears loaded straight into their formats, one at a time: each Linear's codes are
 assembled as its checkpoint tensors (or their blocks of rows) are read, and the Linear takes its kernel
-layout as soon as its last rows are in. No float copy of the model exists at any time: beside the formats
+layout as soon as its last rows are in. A tied LM head is the embedding's matrix: staged by the embedding
+module, whose lookups then read the head's codes (layers/embedding.py). No float copy of the model exists at any time: beside the formats
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
@@ -16,10 +17,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from collections.abc import Mapping
+
 import torch
+
 from torch import nn
 
-from tinyserve.layers.linear import Linear, QuantizedFormat, quantized_format
+from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, quantized_format
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4Weight, Int8ChannelWeight, Int8Weight, int4_group_codes,
                                     int8_group_codes)
 
@@ -33,24 +37,30 @@ class StagedLinear:
     """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight,
     Int8Weight), or `values` (Int8ChannelWeight, float32 [out, in])."""
 
-    module: Linear
+    holders: tuple[nn.Module, ...]  # the modules that take the format: a Linear; a tied head and its embedding
     fmt: QuantizedFormat
     int8_inputs: bool
+    shape: tuple[int, int]  # [out, in]
     rows_left: int
     codes: GroupCodes | None = None
     values: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, module: Linear, quantization: str) -> StagedLinear:
-        """Its format chosen; its buffers come with its first rows (_buffers), so that at most one Linear's
-        are held at a time."""
-        fmt = quantized_format(module, quantization)
-        if fmt is not Int8ChannelWeight and module.in_features % GROUP:
-            raise ValueError(f"quantization needs in_features divisible by {GROUP}, got {module.in_features}")
-        return cls(module, fmt, quantization != "w4a16", module.out_features)
+    def start(cls, head: Linear | TiedLMHead, quantization: str, file_code_bits: int | None) -> StagedLinear:
+        """Its format chosen (file_code_bits: the bits of the file's codes that convert as they are, for
+        every tensor of it; None: not all do); its buffers come with its first rows (_buffers), so that at
+        most one matrix's are held at a time."""
+        fmt = quantized_format(head, quantization, file_code_bits)
+        if isinstance(head, TiedLMHead):
+            holders, shape = (head, head.embedding), tuple(head.embedding.weight.shape)
+        else:
+            holders, shape = (head,), (head.out_features, head.in_features)
+        if fmt is not Int8ChannelWeight and shape[1] % GROUP:
+            raise ValueError(f"quantization needs in_features divisible by {GROUP}, got {shape[1]}")
+        return cls(holders, fmt, quantization != "w4a16", shape, shape[0])
 
     def _buffers(self, device: torch.device) -> None:
-        rows, inputs = self.module.out_features, self.module.in_features
+        rows, inputs = self.shape
         if self.fmt is Int8ChannelWeight:
             self.values = torch.empty(rows, inputs, dtype=torch.float32, device=device)
             return
@@ -80,22 +90,29 @@ class StagedLinear:
         self.rows_left -= piece.codes.shape[0] if isinstance(piece, GroupCodes) else piece.shape[0]
 
     def finish(self) -> None:
-        """The Linear takes its format (its `weight` stays the meta placeholder it was built with)."""
+        """The holders take the format (their `weight` stays the meta placeholder they were built with)."""
         if self.values is not None:
             weight, _ = Int8ChannelWeight.quantize(self.values)
         else:
             weight = self.fmt.from_codes(self.codes)
             if not self.int8_inputs:
                 weight = dataclasses.replace(weight, int8_inputs=False)
-        self.module.weight_format = weight
+        for holder in self.holders:
+            holder.weight_format = weight
         self.codes = self.values = None
 
 
-def stage_linears(model: nn.Module, quantization: str) -> dict[Linear, StagedLinear]:
-    """A StagedLinear for every Linear of the model (built on meta, its `stored_bits` set from the checkpoint's
-    headers); a tied LM head is the embedding's matrix, loaded with it and quantized after it."""
-    staged = {m: StagedLinear.start(m, quantization) for m in model.modules() if isinstance(m, Linear)}
-    block_linears = [s for s in staged.values() if not s.module.is_lm_head]
+def stage_linears(model: nn.Module, quantization: str,
+                  file_code_bits: Mapping[nn.Module, int | None]) -> dict[nn.Module, StagedLinear]:
+    """A StagedLinear for every Linear and tied LM head of the model (built on meta, its `stored_bits` set
+    from the checkpoint's headers), by the module whose `weight` it fills; file_code_bits: by that module,
+    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits)."""
+    staged = {}
+    for module in model.modules():
+        if isinstance(module, (Linear, TiedLMHead)):
+            owner = module.embedding if isinstance(module, TiedLMHead) else module
+            staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner))
+    block_linears = [s for s in staged.values() if not s.holders[0].is_lm_head]
     kept = sum(1 for s in block_linears if quantization != "int8" and s.fmt is Int8Weight)
     if kept:
         logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)", quantization, kept,

@@ -93,6 +93,7 @@ class Match:
     part: CheckpointSlice | None
     linear: Linear | None
     linear_row: int = 0  # the first row of the Linear's weight that target is (a merged one's shard: its offset)
+    owner: nn.Module | None = None  # the module whose `weight` target is (a Linear, an Embedding); None: another
 
     def read(self) -> torch.Tensor:
         return self.checked(self.produce())
@@ -105,16 +106,15 @@ class Match:
 
 
 def _target(model: nn.Module, param_name: str,
-            shard: int | None) -> tuple[torch.Tensor, CheckpointSlice | None, Linear | None, int]:
+            shard: int | None) -> tuple[torch.Tensor, CheckpointSlice | None, nn.Module, str, int]:
     module_name, _, attr = param_name.rpartition(".")
     module = model.get_submodule(module_name)
     param = getattr(module, attr)
-    linear = module if isinstance(module, Linear) and attr == "weight" else None
     part = module.checkpoint_slice(attr, shard) if hasattr(module, "checkpoint_slice") else None
     if shard is None:
-        return param.data, part, linear, 0
+        return param.data, part, module, attr, 0
     start, size = module.shard_offset(shard)
-    return param.data.narrow(0, start, size), part, linear, start
+    return param.data.narrow(0, start, size), part, module, attr, start
 
 
 def _check_shape(hf_name: str, shape: tuple[int, ...], target: torch.Tensor, part: CheckpointSlice | None) -> None:
@@ -144,11 +144,13 @@ def match_tensors(model: nn.Module, tensors: Iterable[NamedTensor],
         if (param_name, index) not in missing:
             seen = "loaded twice" if param_name in dict(model.named_parameters()) else "unexpected"
             raise ModelLoadError(f"tensor {hf_name!r} is {seen} for {type(model).__name__}")
-        target, part, linear, linear_row = _target(model, param_name, index)
+        target, part, module, attr, linear_row = _target(model, param_name, index)
+        owner = module if attr == "weight" else None
+        linear = owner if isinstance(owner, Linear) else None
         if isinstance(produce, TensorSource):
             _check_shape(hf_name, produce.shape, target, part)
         del missing[(param_name, index)]
-        matched.append(Match(hf_name, produce, target, part, linear, linear_row))
+        matched.append(Match(hf_name, produce, target, part, linear, linear_row, owner))
     if missing:
         names = sorted(missing.values())
         more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
@@ -165,22 +167,35 @@ def note_stored_bits(matches: list[Match]) -> None:
             linear.stored_bits = max(produce.stored_bits, linear.stored_bits or 0)
 
 
+def file_code_bits(matches: list[Match]) -> dict[nn.Module, int | None]:
+    """By the module whose `weight` the matches fill: the bits of the file's codes that convert to ours as they
+    are (TensorSource.code_bits), where every tensor of it has the same (each read whole for this rank); else
+    None."""
+    bits: dict[nn.Module, set[int | None]] = {}
+    for match in matches:
+        if match.owner is not None:
+            code_bits = match.produce.code_bits if isinstance(match.produce, TensorSource) else None
+            bits.setdefault(match.owner, set()).add(code_bits if match.part is None else None)
+    return {owner: next(iter(b)) if len(b) == 1 else None for owner, b in bits.items()}
+
+
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
                            ignore: Callable[[str], bool] = lambda _: False,
                            reads: FileReads | None = None,
-                           staged: Mapping[Linear, StagedLinear] | None = None) -> Job[None]:
+                           staged: Mapping[nn.Module, StagedLinear] | None = None) -> Job[None]:
     """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
     each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
     rank's rows of a tensor-parallel one alone). Linears' `stored_bits` are noted (note_stored_bits).
     `reads`: the load's I/O thread, where every tensor is read (loader/file_reads.py), the copy into the
-    model alone done here; None: read here. `staged`: the Linears loaded straight into their quantized
-    formats (loader/staged_linears.py; their weights stay on meta), each finished once its rows are in."""
+    model alone done here; None: read here. `staged`: the matrices loaded straight into their quantized
+    formats (loader/staged_linears.py), by the module whose `weight` stays on meta; each finished once its
+    rows are in."""
     matches = match_tensors(model, tensors, ignore)
     note_stored_bits(matches)
     staged = staged or {}
     for match in matches:
         source = match.produce if isinstance(match.produce, TensorSource) else None
-        staging = staged.get(match.linear) if match.linear is not None else None
+        staging = staged.get(match.owner) if match.owner is not None else None
         as_codes = (staging is not None and source is not None and match.part is None
                     and source.decode_codes is not None and staging.takes_codes(source.code_bits))
         for fetch, finish, rows in _pieces(match, as_codes):
