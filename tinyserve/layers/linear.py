@@ -168,7 +168,8 @@ def pack_linear_weights_in_pieces(model: nn.Module, own_kernel: bool | None = No
 
 def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
     """Quantize every dense Linear of a loaded (float32) model in place, the LM head in int8 in both
-    modes; returns how many. Our int kernels then run every step (they lead bfloat16 at every step size:
+    modes; returns how many. (The loader instead takes each matrix straight into its format as it reads it,
+    loader/staged_linears.py, where a head the file stores as Q4_x keeps those codes: quantized_format.) Our int kernels then run every step (they lead bfloat16 at every step size:
     docs/PERFORMANCE.md, "Speed modes"), so no float copy is kept (a Linear's weight becomes a meta-device
     placeholder). A tied head's matrix is the embedding's, so the embedding looks its rows up in the
     head's int8 codes (layers/embedding.py): one model, in lookups and logits, stored once.

@@ -16,6 +16,7 @@
 
 #include "row_blocks.h"
 
+#include <algorithm>
 #include <cmath>
 
 // Not -ffast-math here: it lets the compiler regroup a lane's chain of sums (for more instructions in
@@ -32,45 +33,98 @@ constexpr int kGroup = 32;
 template <int Bits>
 constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }  // int4: 4 chunks of 64 bytes; int8: 8
 
-// 16 lanes, one per row of a block, in GCC's vector extensions rather than one instruction set's intrinsics:
-// the compiler lowers them to one AVX-512 register or two AVX2 ones (or scalars), and every lane does the
-// same operations in the same order on each (a lane's sum never mixes with another's), so the kernel's
-// numerics are the same on every x86 CPU with FMA, and this file's tests exercise the path a machine runs.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// A block's 16 rows, one per vector lane, in GCC's vector extensions rather than one instruction set's
+// intrinsics: one AVX-512 register of 16 floats, or (kParts = 2) two AVX2 registers of 8. The two halves are
+// written out as such: GCC lowers a 64-byte vector on AVX2 through memory (the accumulators lived on the stack
+// and prefill ran at 14 GFLOP/s). Every lane does the same operations in the same order on each machine (a
+// lane's sum never mixes with another's), so the kernel's numerics are the same on every x86 CPU with FMA,
+// and this file's tests exercise the path a machine runs.
+#ifdef __AVX512F__
+constexpr int kParts = 1;
+constexpr int kTile = 8;  // tokens per pass: 8 accumulators of 32 registers
+#else
+constexpr int kParts = 2;
+constexpr int kTile = 4;  // 8 accumulators of AVX2's 16 registers
+#endif
+constexpr int kWidth = kRows / kParts;
+typedef float lanes __attribute__((vector_size(kWidth * 4)));
+typedef uint32_t ulanes __attribute__((vector_size(kWidth * 4)));
 
-inline f32x16 load_halves(const at::Half* p) {
-  f32x16 v;
-  for (int l = 0; l < kRows; ++l) v[l] = static_cast<float>(p[l]);
+// The widened weights of up to kChunkGroups groups of one block (16 KiB: they stay in L1) are computed once
+// and then multiplied with every token of the step, kTile tokens at a time: the widening is paid once per
+// step, not once per pass.
+constexpr int kChunkGroups = 8;
+
+inline lanes load_halves(const at::Half* p) {
+  lanes v;
+  for (int l = 0; l < kWidth; ++l) v[l] = static_cast<float>(p[l]);
   return v;
 }
 
-// One block of 16 rows for T tokens (the first is t0): out[t * 16 + l] for row l. x is float32 [tokens, K].
-template <int Bits, int T>
-void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const float* x, int64_t k,
-           int64_t t0, float* out) {
+// Groups g0 .. g0 + count - 1 of a block, widened: w[j * kParts + p] = part p of the rows' weights of input
+// g0 * 32 + j.
+template <int Bits>
+void widen(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, int64_t g0, int64_t count,
+           lanes* w) {
   constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
   constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
-  f32x16 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = f32x16{};
-  const int64_t groups = k / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = g0; g < g0 + count; ++g) {
     const uint8_t* group = codes + g * group_bytes<Bits>();
-    const f32x16 scale = load_halves(scales + g * kRows);
-    // int4: w = code * scale + minimum; int8: the codes are stored plus 128, so w = code * scale - 128 * scale
-    const f32x16 offset = Bits == 4 ? load_halves(minimums + g * kRows) : scale * -128.f;
-    for (int c = 0; c < kChunks; ++c) {
-      u32x16 bytes;  // lane l: row l's 4 bytes of chunk c
-      __builtin_memcpy(&bytes, group + c * 64, sizeof(bytes));
-      for (int i = 0; i < kPerChunk; ++i) {  // int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: 4c + i
-        const int shift = Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i;
-        const f32x16 w = __builtin_convertvector((bytes >> shift) & kMask, f32x16) * scale + offset;
-        const int64_t input = g * kGroup + kPerChunk * c + i;
-        for (int t = 0; t < T; ++t) acc[t] += x[(t0 + t) * k + input] * w;
+    for (int p = 0; p < kParts; ++p) {
+      const lanes scale = load_halves(scales + g * kRows + p * kWidth);
+      // int4: w = code * scale + minimum; int8: the codes are stored plus 128, so w = code * scale - 128 * scale
+      const lanes offset = Bits == 4 ? load_halves(minimums + g * kRows + p * kWidth) : scale * -128.f;
+      for (int c = 0; c < kChunks; ++c) {
+        ulanes bytes;  // lane l: row (p * kWidth + l)'s 4 bytes of chunk c
+        __builtin_memcpy(&bytes, group + c * 64 + p * kWidth * 4, sizeof(bytes));
+        for (int i = 0; i < kPerChunk; ++i) {  // int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: 4c + i
+          const int shift = Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i;
+          w[((g - g0) * kGroup + kPerChunk * c + i) * kParts + p] =
+              __builtin_convertvector((bytes >> shift) & kMask, lanes) * scale + offset;
+        }
       }
     }
   }
-  for (int t = 0; t < T; ++t) __builtin_memcpy(out + t * kRows, &acc[t], sizeof(acc[t]));
+}
+
+// T tokens (the first t0) times `inputs` widened weights from input i0: sum[t * 16 + l] += x . w, in input order.
+template <int T>
+void multiply(const lanes* w, int64_t inputs, const float* x, int64_t k, int64_t i0, int64_t t0, float* sum) {
+  lanes acc[T][kParts];
+  for (int t = 0; t < T; ++t) __builtin_memcpy(&acc[t], sum + (t0 + t) * kRows, sizeof(acc[t]));
+  for (int64_t j = 0; j < inputs; ++j)
+    for (int t = 0; t < T; ++t) {
+      const float xv = x[(t0 + t) * k + i0 + j];
+      for (int p = 0; p < kParts; ++p) acc[t][p] += xv * w[j * kParts + p];
+    }
+  for (int t = 0; t < T; ++t) __builtin_memcpy(sum + (t0 + t) * kRows, &acc[t], sizeof(acc[t]));
+}
+
+// One block of 16 rows for every token: sum[t * 16 + l] for row l. x is float32 [tokens, K].
+template <int Bits>
+void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const float* x, int64_t k,
+           int64_t tokens, float* sum) {
+  lanes w[kChunkGroups * kGroup * kParts];
+  std::fill(sum, sum + tokens * kRows, 0.f);
+  const int64_t groups = k / kGroup;
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+    const int64_t count = std::min<int64_t>(kChunkGroups, groups - g0), inputs = count * kGroup;
+    widen<Bits>(codes, scales, minimums, g0, count, w);
+    int64_t t0 = 0;
+    for (; t0 + kTile <= tokens; t0 += kTile) multiply<kTile>(w, inputs, x, k, g0 * kGroup, t0, sum);
+    switch (tokens - t0) {  // the last tokens, fewer than a pass
+      case 1: multiply<1>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+      case 2: multiply<2>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+      case 3: multiply<3>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+#ifdef __AVX512F__
+      case 4: multiply<4>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+      case 5: multiply<5>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+      case 6: multiply<6>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+      case 7: multiply<7>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
+#endif
+      default: break;
+    }
+  }
 }
 
 template <int Bits>
@@ -95,15 +149,14 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
   const int64_t groups = k / kGroup;
-  auto pass = [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
-    block<Bits, decltype(tokens_in_pass)::value>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
-                                                 minimums == nullptr ? nullptr : minimums + b * groups * kRows,
-                                                 xp, k, t0, o);
+  auto pass = [&](int64_t b, float* sum) {
+    block<Bits>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
+                minimums == nullptr ? nullptr : minimums + b * groups * kRows, xp, k, tokens, sum);
   };
   if (x.scalar_type() == at::kFloat)
-    tinyserve::for_row_blocks(n, tokens, out.data_ptr<float>(), pass);
+    tinyserve::for_each_row_block(n, tokens, out.data_ptr<float>(), pass);
   else
-    tinyserve::for_row_blocks(n, tokens, out.data_ptr<c10::BFloat16>(), pass);
+    tinyserve::for_each_row_block(n, tokens, out.data_ptr<c10::BFloat16>(), pass);
   return out;
 }
 
