@@ -155,3 +155,20 @@ def test_a_tied_head_keeps_its_file_s_4_bit_codes_and_the_embedding_looks_up_in_
     values = torch.from_numpy(REFERENCES[Q.Q4_0](blocks.reshape(-1, 18))).reshape(blocks.shape[0], -1).float()
     ids = torch.tensor([0, 17, 255, 3])
     assert torch.equal(embedding(ids), values[ids])
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("qtype, fmt", [(Q.Q4_0, Int4Weight), (Q.Q8_0, Int8Weight)], ids=["Q4_0", "Q8_0"])
+def test_an_untied_embedding_is_held_in_its_file_s_codes(tmp_path, tiny_llama, qtype, fmt):
+    """An untied embedding whose file codes convert is looked up in them (no float copy of vocab x hidden),
+    each row the file's values exactly; a float one keeps its float matrix."""
+    path = _write(tmp_path / "untied.gguf", tiny_llama, qtype=qtype)
+    embedding = _load(path).model.embed_tokens
+    assert isinstance(embedding.weight_format, fmt) and embedding.weight.is_meta
+    [blocks] = [t.data for t in open_gguf(path).tensors if t.name == "token_embd.weight"]
+    block_bytes = 18 if qtype == Q.Q4_0 else 34
+    values = torch.from_numpy(REFERENCES[qtype](blocks.reshape(-1, block_bytes))).reshape(blocks.shape[0], -1).float()
+    ids = torch.tensor([0, 17, 255, 3])
+    assert torch.equal(embedding(ids), values[ids])
+    float_file = _write(tmp_path / "f32.gguf", tiny_llama)
+    assert type(_load(float_file, quantization="w4a16").model.embed_tokens.weight_format).__name__ == "DenseWeight"

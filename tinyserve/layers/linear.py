@@ -224,13 +224,13 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
 QuantizedFormat = type[Int4Weight] | type[Int8Weight] | type[Int8ChannelWeight]
 
 
-def quantized_format(module: Linear | TiedLMHead, quantization: str,
+def quantized_format(module: Linear | TiedLMHead | Embedding, quantization: str,
                      file_code_bits: int | None = None) -> QuantizedFormat:
     """The format `quantization` gives the module's matrix (quantize_linear_weights says why).
     file_code_bits: the bits of the file's codes that our formats take as they are (a GGUF's Q4_0 / Q4_1: 4,
-    Q8_0: 8; None: other types or a float checkpoint): the LM head keeps the file's own 4-bit codes where it
-    has them, as llama.cpp computes it, and is int8 otherwise."""
-    if module.is_lm_head:
+    Q8_0: 8; None: other types or a float checkpoint): the LM head (and an untied embedding held in codes)
+    keeps the file's own 4-bit codes where it has them, as llama.cpp computes it, and is int8 otherwise."""
+    if isinstance(module, Embedding) or module.is_lm_head:
         return Int4Weight if file_code_bits == 4 and quantization != "int8" else Int8Weight
     if module.stored_bits == 8:  # Q8_0 in the file: its own values
         return Int8Weight

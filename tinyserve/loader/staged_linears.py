@@ -23,6 +23,7 @@ import torch
 
 from torch import nn
 
+from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, quantized_format
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4Weight, Int8ChannelWeight, Int8Weight, int4_group_codes,
                                     int8_group_codes)
@@ -46,15 +47,18 @@ class StagedLinear:
     values: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, head: Linear | TiedLMHead, quantization: str, file_code_bits: int | None) -> StagedLinear:
+    def start(cls, matrix: Linear | TiedLMHead | Embedding, quantization: str,
+              file_code_bits: int | None) -> StagedLinear:
         """Its format chosen (file_code_bits: the bits of the file's codes that convert as they are, for
         every tensor of it; None: not all do); its buffers come with its first rows (_buffers), so that at
         most one matrix's are held at a time."""
-        fmt = quantized_format(head, quantization, file_code_bits)
-        if isinstance(head, TiedLMHead):
-            holders, shape = (head, head.embedding), tuple(head.embedding.weight.shape)
+        fmt = quantized_format(matrix, quantization, file_code_bits)
+        if isinstance(matrix, TiedLMHead):
+            holders, shape = (matrix, matrix.embedding), tuple(matrix.embedding.weight.shape)
+        elif isinstance(matrix, Embedding):
+            holders, shape = (matrix,), tuple(matrix.weight.shape)
         else:
-            holders, shape = (head,), (head.out_features, head.in_features)
+            holders, shape = (matrix,), (matrix.out_features, matrix.in_features)
         if fmt is not Int8ChannelWeight and shape[1] % GROUP:
             raise ValueError(f"quantization needs in_features divisible by {GROUP}, got {shape[1]}")
         return cls(holders, fmt, quantization != "w4a16", shape, shape[0])
@@ -106,13 +110,19 @@ def stage_linears(model: nn.Module, quantization: str,
                   file_code_bits: Mapping[nn.Module, int | None]) -> dict[nn.Module, StagedLinear]:
     """A StagedLinear for every Linear and tied LM head of the model (built on meta, its `stored_bits` set
     from the checkpoint's headers), by the module whose `weight` it fills; file_code_bits: by that module,
-    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits)."""
+    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits). An untied
+    embedding whose file codes convert is held in them too (its rows looked up there: layers/embedding.py),
+    not in a float copy of vocab x hidden; any other keeps its float matrix."""
+    heads = [m for m in model.modules() if isinstance(m, (Linear, TiedLMHead))]
+    tied = {id(m.embedding) for m in heads if isinstance(m, TiedLMHead)}
     staged = {}
+    for module in heads:
+        owner = module.embedding if isinstance(module, TiedLMHead) else module
+        staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner))
     for module in model.modules():
-        if isinstance(module, (Linear, TiedLMHead)):
-            owner = module.embedding if isinstance(module, TiedLMHead) else module
-            staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner))
-    block_linears = [s for s in staged.values() if not s.holders[0].is_lm_head]
+        if isinstance(module, Embedding) and id(module) not in tied and file_code_bits.get(module) is not None:
+            staged[module] = StagedLinear.start(module, quantization, file_code_bits[module])
+    block_linears = [s for s in staged.values() if isinstance(s.holders[0], Linear) and not s.holders[0].is_lm_head]
     kept = sum(1 for s in block_linears if quantization != "int8" and s.fmt is Int8Weight)
     if kept:
         logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)", quantization, kept,
