@@ -220,10 +220,21 @@ def table(runs: list[Run]) -> str:
     return "\n".join(["| " + " | ".join(HEADER) + " |", "|" + "---|" * 2 + "---:|" * 8 + "---|", *rows])
 
 
+def recorded_command(server: str, port: int) -> str:
+    """server_command as the results record it: no path of this machine (the checkout's relative, home as ~)."""
+    def portable(arg: str) -> str:
+        path = Path(arg)
+        if path.is_absolute() and path.is_relative_to(ROOT):
+            return str(path.relative_to(ROOT))
+        return arg.replace(str(Path.home()), "~", 1) if path.is_absolute() else arg
+
+    return " ".join(portable(arg) for arg in server_command(server, Path("FILE"), port))
+
+
 def save(out: Path, runs: list[Run], port: int) -> None:
     """The runs (this invocation's after any already in out) to out (JSON) and the table beside it (.md)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"commands": {s: " ".join(server_command(s, Path("FILE"), port)) for s in ("tinyserve", "llama-server")},
+    record = {"commands": {s: recorded_command(s, port) for s in ("tinyserve", "llama-server")},
               "workloads": WORKLOADS, "runs": [dataclasses.asdict(r) for r in runs], "table": table(runs)}
     out.write_text(json.dumps(record, indent=1) + "\n")
     out.with_suffix(".md").write_text(record["table"] + "\n")

@@ -197,12 +197,11 @@ def quantize_linear_weights(model: nn.Module, quantization: str) -> int:
 def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> Iterator[None]:
     """quantize_linear_weights, yielding after each module (a load in pieces: loader/model_loader.py)."""
     int_kernels = ops.has_cpu_kernels()
-    num_linears = num_kept_at_int8 = 0
+    block_formats = []
     for module in _dense_heads_and_linears(model):
         fmt = quantized_format(module, quantization)
         if not module.is_lm_head:
-            num_linears += 1
-            num_kept_at_int8 += quantization != "int8" and fmt is Int8Weight
+            block_formats.append(fmt)
         quantized, dequantized = fmt.quantize(module.weight.detach())
         if quantization == "w4a16":  # the same codes; the activations stay unrounded
             quantized = dataclasses.replace(quantized, int8_inputs=False)
@@ -216,9 +215,15 @@ def quantize_linear_weights_in_pieces(model: nn.Module, quantization: str) -> It
                 owner.weight_format = quantized
             owner.weight = nn.Parameter(owner.weight.to("meta"), requires_grad=False)
         yield
-    if num_kept_at_int8:
-        logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)",
-                    quantization, num_kept_at_int8, num_linears)
+    log_kept_at_int8(quantization, block_formats)
+
+
+def log_kept_at_int8(quantization: str, block_formats: list[QuantizedFormat]) -> None:
+    """Says how many block linears int4 / w4a16 keep at int8 (the file stores them at 5-8 bits)."""
+    kept = sum(1 for fmt in block_formats if fmt is Int8Weight) if quantization != "int8" else 0
+    if kept:
+        logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)", quantization, kept,
+                    len(block_formats))
 
 
 QuantizedFormat = type[Int4Weight] | type[Int8Weight] | type[Int8ChannelWeight]

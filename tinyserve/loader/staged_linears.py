@@ -14,23 +14,19 @@ Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole ma
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass
-
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
-
 from torch import nn
 
 from tinyserve.layers.embedding import Embedding
-from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, quantized_format
+from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4Weight, Int8ChannelWeight, Int8Weight, int4_group_codes,
                                     int8_group_codes)
 
-logger = logging.getLogger(__name__)
-
-_RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}
+_RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
+_BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each format holds
 
 
 @dataclass
@@ -42,9 +38,12 @@ class StagedLinear:
     fmt: QuantizedFormat
     int8_inputs: bool
     shape: tuple[int, int]  # [out, in]
-    rows_left: int
+    rows_left: int = field(init=False)  # of the weight, not written yet
     codes: GroupCodes | None = None
     values: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.rows_left = self.shape[0]
 
     @classmethod
     def start(cls, matrix: Linear | TiedLMHead | Embedding, quantization: str,
@@ -61,14 +60,14 @@ class StagedLinear:
             holders, shape = (matrix,), (matrix.out_features, matrix.in_features)
         if fmt is not Int8ChannelWeight and shape[1] % GROUP:
             raise ValueError(f"quantization needs in_features divisible by {GROUP}, got {shape[1]}")
-        return cls(holders, fmt, quantization != "w4a16", shape, shape[0])
+        return cls(holders, fmt, quantization != "w4a16", shape)
 
     def _buffers(self, device: torch.device) -> None:
         rows, inputs = self.shape
         if self.fmt is Int8ChannelWeight:
             self.values = torch.empty(rows, inputs, dtype=torch.float32, device=device)
             return
-        bits, groups = (4 if self.fmt is Int4Weight else 8), inputs // GROUP
+        bits, groups = _BITS[self.fmt], inputs // GROUP
         halves = dict(dtype=torch.float16, device=device)
         self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
                                 torch.empty(rows, groups, **halves),
@@ -76,22 +75,24 @@ class StagedLinear:
 
     def takes_codes(self, bits: int | None) -> bool:
         """Whether a file's group codes of `bits` copy in as they are (else its rows come as float32)."""
-        return bits == {Int4Weight: 4, Int8Weight: 8}.get(self.fmt)
+        return bits == _BITS.get(self.fmt)
 
     def write(self, row: int, piece: torch.Tensor | GroupCodes) -> None:
         """Rows [row, row + len(piece)) of the weight: float32 values, or group codes of this format's bits."""
+        if self.fmt is not Int8ChannelWeight and not isinstance(piece, GroupCodes):
+            piece = _RULES[self.fmt](piece)
+        rows = piece.codes if isinstance(piece, GroupCodes) else piece
         if self.codes is None and self.values is None:
-            self._buffers((piece.codes if isinstance(piece, GroupCodes) else piece).device)
+            self._buffers(rows.device)
+        stop = row + rows.shape[0]
         if self.values is not None:
-            self.values[row:row + piece.shape[0]].copy_(piece)
+            self.values[row:stop].copy_(piece)
         else:
-            codes = piece if isinstance(piece, GroupCodes) else _RULES[self.fmt](piece)
-            stop = row + codes.codes.shape[0]
-            self.codes.codes[row:stop].copy_(codes.codes)
-            self.codes.scales[row:stop].copy_(codes.scales)
-            if codes.minimums is not None:
-                self.codes.minimums[row:stop].copy_(codes.minimums)
-        self.rows_left -= piece.codes.shape[0] if isinstance(piece, GroupCodes) else piece.shape[0]
+            self.codes.codes[row:stop].copy_(piece.codes)
+            self.codes.scales[row:stop].copy_(piece.scales)
+            if piece.minimums is not None:
+                self.codes.minimums[row:stop].copy_(piece.minimums)
+        self.rows_left -= rows.shape[0]
 
     def finish(self) -> None:
         """The holders take the format (their `weight` stays the meta placeholder they were built with)."""
@@ -122,9 +123,6 @@ def stage_linears(model: nn.Module, quantization: str,
     for module in model.modules():
         if isinstance(module, Embedding) and id(module) not in tied and file_code_bits.get(module) is not None:
             staged[module] = StagedLinear.start(module, quantization, file_code_bits[module])
-    block_linears = [s for s in staged.values() if isinstance(s.holders[0], Linear) and not s.holders[0].is_lm_head]
-    kept = sum(1 for s in block_linears if quantization != "int8" and s.fmt is Int8Weight)
-    if kept:
-        logger.info("%s: %d of %d linears kept at int8 (the file stores them at 5-8 bits)", quantization, kept,
-                    len(block_linears))
+    log_kept_at_int8(quantization, [s.fmt for s in staged.values()
+                                    if isinstance(s.holders[0], Linear) and not s.holders[0].is_lm_head])
     return staged

@@ -205,12 +205,12 @@ def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
                 fetched = yield from reads.read(fetch, f"tensor {match.hf_name!r}")
             piece = finish(fetched)
             del fetched
-            start, stop = rows if rows is not None else (0, match.target.shape[0])
+            target = match.target if rows is None else match.target[rows[0]:rows[1]]
+            _check_piece(match.hf_name, piece, target)
             if staging is None:
-                _copy(match.hf_name, piece, match.target[start:stop] if rows is not None else match.target)
+                target.copy_(piece)
             else:
-                _check_rows(match.hf_name, piece, match.target[start:stop])
-                staging.write(match.linear_row + start, piece)
+                staging.write(match.linear_row + (0 if rows is None else rows[0]), piece)
             del piece
             yield
         if source is not None and source.release is not None:
@@ -258,13 +258,8 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _check_rows(hf_name: str, piece: torch.Tensor | GroupCodes, target: torch.Tensor) -> None:
+def _check_piece(hf_name: str, piece: torch.Tensor | GroupCodes, target: torch.Tensor) -> None:
+    """A tensor (or group codes) read against the part of the model it fills: the data, whatever the header said."""
     shape = tuple((piece.codes if isinstance(piece, GroupCodes) else piece).shape)
     if shape != tuple(target.shape):
         raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")
-
-
-def _copy(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
-    if tuple(tensor.shape) != tuple(target.shape):
-        raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-    target.copy_(tensor)
