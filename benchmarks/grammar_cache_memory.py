@@ -21,8 +21,8 @@ import json
 import time
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.malloc_tuning import return_freed_host_memory
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.memory.malloc_tuning import return_freed_host_memory
 from tinyserve.types import InvalidRequest, SamplingParams, StructuredOutput
 
 

@@ -3,7 +3,7 @@
 Each try compiles one grammar (the matcher and its first mask, as StructuredOutputs.compile does) in a
 child process, on a thread with the default stack (what asyncio.to_thread gives), and records whether the
 child died of a signal. A binary search between a depth that compiles and one that crashes finds the
-threshold; engine/grammar_budget.py sets its limits at no more than a quarter of the smallest one.
+threshold; engine/sampling/grammar_budget.py sets its limits at no more than a quarter of the smallest one.
 
     python benchmarks/grammar_crash_depth.py [--max-depth 100000] [--kinds json_ref,lark_chain]
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
 WORDS = "river stone cloud paper light garden winter music table window forest signal".split()

@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from tinyserve.engine.block_manager import BlockManager
-from tinyserve.engine.model_runner import ModelRunner
-from tinyserve.engine.request import Request
-from tinyserve.engine.stage_runner import StageRunner
+from tinyserve.engine.scheduling.block_manager import BlockManager
+from tinyserve.engine.execution.model_runner import ModelRunner
+from tinyserve.engine.loop.request import Request
+from tinyserve.engine.execution.stage_runner import StageRunner
 from tinyserve.layers.kv_cache import KVLayout
 from tinyserve.loader.gguf import gguf_model_config, open_gguf
 from tinyserve.loader.model_loader import resolve_model_path

@@ -46,8 +46,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(message)s")
-    for name in ("tinyserve.engine.memory", "tinyserve.loader.model_loader", "tinyserve.parallel.launch",
-                 "tinyserve.engine.generation_defaults"):
+    for name in ("tinyserve.engine.memory.sizing", "tinyserve.loader.model_loader", "tinyserve.parallel.launch",
+                 "tinyserve.engine.loop.generation_defaults"):
         logging.getLogger(name).setLevel("WARNING")
     prompts = [[(7 * i + 13 * j) % 20000 + 100 for j in range(args.prompt_len)] for i in range(args.num_prompts)]
     rates: dict[str, list[float]] = {name: [] for name in CASES}

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.quant import Int8ChannelWeight, Int8Weight

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tinyserve.engine.reference import forward_sequence, greedy_generate
+from tinyserve.engine.greedy_reference import forward_sequence, greedy_generate
 from tinyserve.layers.ops import decode_kernel_applies
 from tinyserve.loader.model_loader import load_model
 from tinyserve.models.registry import device_and_dtype

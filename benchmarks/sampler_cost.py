@@ -3,7 +3,7 @@
 median of 15 calls. With a second sampler module given, both run interleaved in one process (A/B):
 
     .venv/bin/python benchmarks/sampler_cost.py
-    git show OLD:tinyserve/engine/sampler.py > /tmp/old_sampler.py
+    git show OLD:tinyserve/engine/sampling/sampler.py > /tmp/old_sampler.py
     .venv/bin/python benchmarks/sampler_cost.py /tmp/old_sampler.py
 """
 import importlib.util
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from tinyserve.engine.request import Request
-from tinyserve.engine.sampler import Sampler
+from tinyserve.engine.loop.request import Request
+from tinyserve.engine.sampling.sampler import Sampler
 from tinyserve.types import SamplingParams
 
 VOCAB = 49_152

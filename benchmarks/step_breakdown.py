@@ -20,7 +20,7 @@ import time
 from torch.profiler import profile
 
 from tinyserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "tinyserve::bf16_matmul",

@@ -129,7 +129,7 @@ def start_default_model_server(loaded, wrap=lambda engine: engine, **server_fiel
     """A started live server on the default model (`loaded`), float32, no warm-up, 2,048-token context;
     `wrap(engine)` may instrument its LLMEngine."""
     from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-    from tinyserve.engine.llm_engine import LLMEngine
+    from tinyserve.engine.loop.llm_engine import LLMEngine
     from tinyserve.server.launcher import BackgroundServer
 
     engine = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),

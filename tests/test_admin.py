@@ -1,4 +1,4 @@
-"""server/admin.py against files that are not models and reads that stall: a swap to a pipe, a device, a
+"""server/registry/admin.py against files that are not models and reads that stall: a swap to a pipe, a device, a
 folder, a socket, a file or folder that is no model, or a missing path answers 400 within 1 s with one body
 (no oracle of the server's files),
 and a swap whose reads stall fails after --load-read-timeout while the old weights keep serving, the
@@ -83,10 +83,10 @@ def test_a_swap_to_a_pipe_device_folder_socket_or_no_model_is_one_400_within_a_s
 
 
 def test_a_swap_that_does_not_fit_in_memory_is_a_507_naming_the_numbers(random_hf_folders):
-    """The engine's memory check (engine/memory_check.py) refuses the new model before its KV pool is
+    """The engine's memory check (engine/memory/fit_check.py) refuses the new model before its KV pool is
     allocated: 507 model_too_large with weights + KV pool + activations in MiB and the flags; the old weights
     keep serving."""
-    from tinyserve.engine.llm_engine import LLMEngine
+    from tinyserve.engine.loop.llm_engine import LLMEngine
 
     big = random_hf_folders["qwen"]
 

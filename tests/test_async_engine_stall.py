@@ -105,7 +105,7 @@ def test_a_hung_step_is_reported_its_clients_answered_and_the_engine_recovers(to
                 return health, seen, await asyncio.gather(streamed, held), late, late_end - sent_at
 
         try:
-            with caplog.at_level(logging.ERROR, logger="tinyserve.engine.async_engine"):
+            with caplog.at_level(logging.ERROR, logger="tinyserve.engine.loop.async_engine"):
                 health, seen, (streamed, held), late, late_wait_s = asyncio.run(during_the_hang())
         finally:
             hang.release.set()

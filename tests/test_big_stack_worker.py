@@ -1,4 +1,4 @@
-"""engine/big_stack_worker.py: work runs on threads whose stack is STACK_BYTES (read back from the thread's
+"""engine/sampling/big_stack_worker.py: work runs on threads whose stack is STACK_BYTES (read back from the thread's
 own pthread attributes), results and exceptions reach the caller, and the process-wide default stack size
 is left as it was."""
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tinyserve.engine.big_stack_worker import STACK_BYTES, BigStackWorker
+from tinyserve.engine.sampling.big_stack_worker import STACK_BYTES, BigStackWorker
 
 
 def _own_stack_bytes() -> int:

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from tinyserve.engine.block_manager import BlockManager, hash_block
-from tinyserve.engine.request import Request
+from tinyserve.engine.scheduling.block_manager import BlockManager, hash_block
+from tinyserve.engine.loop.request import Request
 from tinyserve.types import SamplingParams
 
 BLOCK_SIZE = 4

@@ -80,7 +80,7 @@ def test_kv_cache_memory_is_auto_by_default_or_gib(capsys):
     def cache(*argv):
         return engine_config_from_args(build_parser().parse_args(["serve", *argv])).cache
 
-    assert cache().kv_cache_memory_gib is None  # auto: engine/memory_check.py sizes it
+    assert cache().kv_cache_memory_gib is None  # auto: engine/memory/fit_check.py sizes it
     assert cache("--kv-cache-memory", "auto").kv_cache_memory_gib is None
     assert cache("--kv-cache-memory", "0.5").kv_cache_memory_gib == 0.5
     for bad in ("lots", "0", "-1"):

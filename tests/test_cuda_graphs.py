@@ -1,4 +1,4 @@
-"""The decode-graph path (engine/cuda_graphs.py) on CPU: the static buffers, the fill of each step and its
+"""The decode-graph path (engine/execution/cuda_graphs.py) on CPU: the static buffers, the fill of each step and its
 padding rows, and the scratch block, run eagerly over the same buffers a CUDA graph replays (Triton's
 interpreter for the attention kernel). Capture and replay themselves need a GPU: tests/test_cuda.py."""
 
@@ -15,8 +15,9 @@ from test_parallel import TINY_PROMPTS, tiny_folders  # noqa: E402, F401 - tiny_
 
 from tinyserve import LLM, SamplingParams  # noqa: E402
 from tinyserve.config import EngineConfig  # noqa: E402
-from tinyserve.engine import cuda_graphs, llm_engine, stage_runner  # noqa: E402
-from tinyserve.engine.cuda_graphs import graph_batch_sizes  # noqa: E402
+from tinyserve.engine.execution import cuda_graphs, stage_runner  # noqa: E402
+from tinyserve.engine.loop import llm_engine
+from tinyserve.engine.execution.cuda_graphs import graph_batch_sizes  # noqa: E402
 
 
 def test_buckets_cover_every_batch_up_to_max_num_seqs():

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from conftest import start_default_model_server
-from tinyserve.engine.process_memory import DeviceMemory
-from tinyserve.server.memory_stats import MemorySnapshot
-from tinyserve.server.metrics import MetricSet
+from tinyserve.engine.memory.process_memory import DeviceMemory
+from tinyserve.server.observability.memory_stats import MemorySnapshot
+from tinyserve.server.observability.metrics import MetricSet
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "alerts.yml"
@@ -27,7 +27,7 @@ RULE_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 K8S = DEPLOY / "k8s" / "tinyserve.yaml"
 COMPOSE = DEPLOY / "docker-compose.yml"
-ABORT_GRACE_S, ENGINE_JOIN_TIMEOUT_S = 2.0, 5.0  # what tinyserve takes after --shutdown-timeout (server/model_slot.py)
+ABORT_GRACE_S, ENGINE_JOIN_TIMEOUT_S = 2.0, 5.0  # what tinyserve takes after --shutdown-timeout (server/registry/model_slot.py)
 DASHBOARD = DEPLOY / "grafana" / "tinyserve.json"
 CUDA_ONLY = {"tinyserve:device_memory_allocated_bytes", "tinyserve:device_memory_reserved_bytes",
              "tinyserve:device_memory_total_bytes"}
@@ -66,7 +66,7 @@ def test_prometheus_config_passes_promtool_check():
 
 
 def test_k8s_probes_and_grace_period_cover_the_drain():
-    from tinyserve.server import model_slot
+    from tinyserve.server.registry import model_slot
 
     assert (model_slot.ABORT_GRACE_S, model_slot.ENGINE_JOIN_TIMEOUT_S) == (ABORT_GRACE_S, ENGINE_JOIN_TIMEOUT_S)
     deployment = next(d for d in yaml.safe_load_all(K8S.read_text()) if d["kind"] == "Deployment")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from tinyserve.engine.loop.detokenizer import IncrementalDetokenizer, StopMatcher
 from tinyserve.loader.gguf import open_gguf
 from tinyserve.loader.tokenizer import Tokenizer
 

@@ -17,8 +17,8 @@ import transformers as tf
 from test_models import VOCAB, _check_engine_logits, _load, _perturb_vectors, _save, _sequences, window_effect
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.loader.model_loader import LoadedModel
 from tinyserve.types import SamplingParams
 from tinyserve.loader.errors import ModelLoadError

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.loader.model_loader import GEMMA3_PACKAGE, load_model, resolve_model_path
 from tinyserve.server.launcher import BackgroundServer
 from tinyserve.types import SamplingParams

@@ -13,7 +13,7 @@ import random
 import pytest
 from test_tokenizer import corpus
 
-from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.loop.detokenizer import IncrementalDetokenizer
 from tinyserve.loader.gguf import open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 from tinyserve.loader.tokenizer import Tokenizer

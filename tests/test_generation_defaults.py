@@ -1,5 +1,5 @@
 """The default sampling fields: what the loader reads from a checkpoint (generation_config.json, a GGUF's
-general.sampling.*), how the engine resolves them (engine/generation_defaults.py) with --generation-config
+general.sampling.*), how the engine resolves them (engine/loop/generation_defaults.py) with --generation-config
 and --override-generation-config, and that the server applies them to fields a request leaves out,
 shows them in /v1/models, and lets an explicit field win. Last, the README's chat example on the default
 model with no sampling field at all."""
@@ -16,8 +16,8 @@ from tinyserve.cli import build_parser
 from tinyserve.cli_engine import engine_config_from_args
 from tinyserve.config import (LLAMA_CPP_SAMPLING_DEFAULTS, CacheConfig, EngineConfig, SamplingDefaults, SchedulerConfig,
                               ServerConfig)
-from tinyserve.engine.generation_defaults import resolve_sampling_defaults
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.generation_defaults import resolve_sampling_defaults
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_sampling_fields, open_gguf
 from tinyserve.loader.hf import hf_sampling_fields

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader import model_loader, weights

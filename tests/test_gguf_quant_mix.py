@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf import _gguf_name, _k_quant_bytes, _write, tiny_llama  # tiny_llama: its random HF Llama (a fixture)
 
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight

@@ -1,4 +1,4 @@
-"""The structural walk before llguidance (engine/grammar_budget.py): specs shaped like the ones that
+"""The structural walk before llguidance (engine/sampling/grammar_budget.py): specs shaped like the ones that
 crashed the server or failed at a later token (issue 44) are refused by name, fast, at any depth, and
 ordinary specs just under each limit pass."""
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tinyserve.engine import grammar_budget
-from tinyserve.engine.grammar_budget import check_budget, clip
+from tinyserve.engine.sampling import grammar_budget
+from tinyserve.engine.sampling.grammar_budget import check_budget, clip
 from tinyserve.types import InvalidRequest, StructuredOutput
 
 

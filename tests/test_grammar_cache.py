@@ -1,8 +1,8 @@
-"""The compiled-grammar cache (engine/grammar_cache.py): least recently used out first, by count and by
+"""The compiled-grammar cache (engine/sampling/grammar_cache.py): least recently used out first, by count and by
 cost; an entry over the whole budget is not kept; eviction hands freed memory back (the trim is called)."""
 
-from tinyserve.engine import grammar_cache
-from tinyserve.engine.grammar_cache import GrammarCache
+from tinyserve.engine.sampling import grammar_cache
+from tinyserve.engine.sampling.grammar_cache import GrammarCache
 
 
 def test_eviction_by_count_and_by_cost_least_recently_used_first(monkeypatch):

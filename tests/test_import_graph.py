@@ -113,9 +113,9 @@ def test_tinyserve_has_no_import_cycles():
 
 def test_graph_covers_the_whole_package():
     graph = import_graph(PACKAGE_DIR)
-    assert "tinyserve.engine.llm_engine" in graph
+    assert "tinyserve.engine.loop.llm_engine" in graph
     assert "tinyserve.server.app" in graph
-    assert "tinyserve.types" in graph["tinyserve.engine.request"]
+    assert "tinyserve.types" in graph["tinyserve.engine.loop.request"]
 
 
 def _write_package(root: Path, files: dict[str, str]) -> Path:

@@ -10,11 +10,11 @@ import transformers as tf
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.memory import kv_bytes_per_token, kv_pool_dtype
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.memory.sizing import kv_bytes_per_token, kv_pool_dtype
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers import ops
-from tinyserve.server.model_slot import _kv_bytes
+from tinyserve.server.registry.model_slot import _kv_bytes
 from tinyserve.layers.attention import paged_attention, reference_paged_attention
 from tinyserve.layers.kv_cache import (KV_INT8_MAX, KVCache, dequantize_rows, gather_kv, kv_row_bytes,
                                        quantize_rows, write_kv)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers.linear import (
     Linear,
     MergedLinear,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tinyserve.engine.reference import forward_sequence, greedy_generate
+from tinyserve.engine.greedy_reference import forward_sequence, greedy_generate
 
 _PARAGRAPH = (
     "The history of computing is a story of abstraction. Early machines were programmed by rewiring "

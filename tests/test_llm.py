@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tinyserve.engine.reference import greedy_generate
+from tinyserve.engine.greedy_reference import greedy_generate
 from tinyserve import LLM
 from tinyserve.types import FinishReason, SamplingParams
 

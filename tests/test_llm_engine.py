@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams
 
 TEXT = (
@@ -197,7 +197,7 @@ def test_a_pool_short_of_the_model_s_context_starts_it_with_the_context_that_fit
     config = smollm2_loaded.config
     bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # float32
     num_blocks = int(0.1 * 2**30) // (bytes_per_token * 16)
-    with caplog.at_level(logging.WARNING, logger="tinyserve.engine.memory_check"):
+    with caplog.at_level(logging.WARNING, logger="tinyserve.engine.memory.fit_check"):
         engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_gib=0.1)), loaded=smollm2_loaded)
     assert config.max_position_embeddings == 8192 and num_blocks * 16 < 8192
     assert engine.max_model_len == engine.config.scheduler.max_model_len == num_blocks * 16

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.types import FinishReason, InvalidRequest, SamplingParams
 
 TOLERANCE = 1e-4  # float32: chunked paged prefill against one dense forward

@@ -1,4 +1,4 @@
-"""engine/malloc_tuning.py's malloc settings, each in a fresh process (they are process-wide)."""
+"""engine/memory/malloc_tuning.py's malloc settings, each in a fresh process (they are process-wide)."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 # Allocates, touches and frees an 8 MiB buffer twice; prints how much of it stayed resident (MiB).
 _PROBE = """
 import ctypes, sys
-from tinyserve.engine import malloc_tuning
+from tinyserve.engine.memory import malloc_tuning
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
 assert getattr(malloc_tuning, sys.argv[1])()

@@ -1,4 +1,4 @@
-"""Start-up sizing (engine/memory.py): the context a model gets, what the KV capacity line claims, and the
+"""Start-up sizing (engine/memory/sizing.py): the context a model gets, what the KV capacity line claims, and the
 bytes a loaded model's weights hold, by format."""
 
 import logging
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, ModelConfig
-from tinyserve.engine.memory import (describe_weight_bytes, fit_max_model_len, held_weight_bytes, resolve_cache_config,
+from tinyserve.engine.memory.sizing import (describe_weight_bytes, fit_max_model_len, held_weight_bytes, resolve_cache_config,
                                     resolve_max_model_len, weight_bytes_by_format)
 from tinyserve.layers.kv_cache import KVLayout
 from tinyserve.layers.linear import Linear, quantize_linear_weights
@@ -32,7 +32,7 @@ def test_a_sliding_window_does_not_cap_the_context():
 
 
 def test_the_capacity_line_counts_every_block_of_a_full_attention_sequence(caplog):
-    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory"):
+    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory.sizing"):
         cache = resolve_cache_config(CacheConfig(block_size=16, num_blocks=32), _config(), torch.float32,
                                      torch.device("cpu"), 256, max_chunk=64)
     assert cache.num_blocks == 32
@@ -44,7 +44,7 @@ def test_the_capacity_line_counts_every_block_of_a_full_attention_sequence(caplo
 def test_the_capacity_line_counts_only_the_window_of_sliding_window_layers(caplog):
     """Both layers slide over 16 tokens: a decoding max-length sequence holds 2 blocks (16 keys span at most
     two of 16), not 16, so 32 blocks hold 16 such sequences, 8x the 2 they would keeping every block."""
-    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory"):
+    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory.sizing"):
         config = _config(sliding_window=16)
         cache = resolve_cache_config(CacheConfig(block_size=16, num_blocks=32), config, torch.float32,
                                      torch.device("cpu"), 256, 64, KVLayout.for_windows(config.layer_sliding_windows()))
@@ -75,7 +75,7 @@ def test_gemma3_270m_at_8k_holds_over_3x_the_sequences_it_would_keeping_every_bl
     config = gguf_model_config(open_gguf(resolve_model_path("gemma3-270m")))
     layout = KVLayout.for_windows(config.layer_sliding_windows())
     assert layout.group_windows == (512,) * 5 + (None,) and layout.num_slots == 3
-    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory"):
+    with caplog.at_level(logging.INFO, logger="tinyserve.engine.memory.sizing"):
         cache = resolve_cache_config(CacheConfig(kv_cache_memory_gib=1.0), config, torch.bfloat16,
                                      torch.device("cpu"), 8192, 512, layout)
     assert cache.num_blocks == 2**30 // (3 * 2 * 256 * 2 * 16)  # 3 slots x K/V x head_dim x bf16 x 16 tokens

@@ -1,4 +1,4 @@
-"""A load against the memory the process may use (engine/memory_check.py): --kv-cache-memory auto in each
+"""A load against the memory the process may use (engine/memory/fit_check.py): --kv-cache-memory auto in each
 regime, the context a long-context model starts with, and the refusals that name the numbers and flags."""
 
 import logging
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine.memory_check import (FLAGS, Allowance, NotEnoughMemory, activation_bytes, auto_kv_bytes,
+from tinyserve.engine.memory.fit_check import (FLAGS, Allowance, NotEnoughMemory, activation_bytes, auto_kv_bytes,
                                            check_checkpoint_fits, load_allowance, size_kv_pool)
 from tinyserve.layers.kv_cache import KVLayout
 
@@ -63,7 +63,7 @@ def test_a_long_context_model_starts_with_the_context_that_fits_and_says_so(capl
     config = _config(max_position_embeddings=131072)
     scheduler = SchedulerConfig(max_num_seqs=4)
     allowance = 100 * MIB + activation_bytes(config, scheduler) + 100 * BLOCK_BYTES
-    with caplog.at_level(logging.WARNING, logger="tinyserve.engine.memory_check"):
+    with caplog.at_level(logging.WARNING, logger="tinyserve.engine.memory.fit_check"):
         cache, max_model_len = _size(scheduler=scheduler, allowance=allowance, config=config)
     assert (cache.num_blocks, max_model_len) == (100, 1600)
     assert "context limited to 1600 tokens by memory (the model's is 131072)" in caplog.text

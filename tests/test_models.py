@@ -18,8 +18,8 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from tinyserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.reference import forward_sequence, greedy_generate
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.greedy_reference import forward_sequence, greedy_generate
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
 from tinyserve.loader.model_loader import LoadedModel, build_model

@@ -15,7 +15,7 @@ import transformers as tf
 from test_llama import PROMPTS
 from tinyserve import LLM
 from tinyserve.config import ModelConfig
-from tinyserve.engine.memory import held_weight_bytes
+from tinyserve.engine.memory.sizing import held_weight_bytes
 from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 from tinyserve.parallel.dispatch import split_layers

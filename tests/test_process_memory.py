@@ -1,11 +1,11 @@
-"""What the process may use (engine/process_memory.py), read from a fake file-system root: a cgroup v2 or v1
+"""What the process may use (engine/memory/process_memory.py), read from a fake file-system root: a cgroup v2 or v1
 limit less the cgroup's working set, within MemAvailable; MemAvailable alone without a limit."""
 
 from pathlib import Path
 
 import pytest
 
-from tinyserve.engine.process_memory import available_memory_bytes, cgroup_limit_bytes, memory_limit_bytes
+from tinyserve.engine.memory.process_memory import available_memory_bytes, cgroup_limit_bytes, memory_limit_bytes
 
 MIB = 1 << 20
 

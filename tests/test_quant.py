@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.config import EngineConfig
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers import ops
 from tinyserve.layers.linear import (
     Linear,
@@ -293,7 +293,7 @@ def test_int4_default_model_through_the_engine(smollm2_fp32):
     the same model, and where they leave the float32 model's, each side's token is in the other's top 5.
     One prompt per generate(), so that the engine's steps have the reference's sizes."""
     from tinyserve import LLM
-    from tinyserve.engine.reference import greedy_generate
+    from tinyserve.engine.greedy_reference import greedy_generate
     from tinyserve.types import SamplingParams
 
     llm = LLM(quantization="int4", kv_cache_memory=0.1, max_model_len=1024)

@@ -3,8 +3,8 @@
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.recent_activity import Percentiles, RecentActivity, StepRecord, percentile
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.observability.recent_activity import Percentiles, RecentActivity, StepRecord, percentile
 from tinyserve.types import SamplingParams
 
 

@@ -72,7 +72,7 @@ def replicas(smollm2_loaded, tmp_path_factory):
     router = _router_binary()
     # strict about fields, as served by default: the router re-serializes each request with SGLang's extras
     # (no_stop_trim, return_hidden_states, ...), which tinyserve accepts at the values it sends
-    # (server/router_fields.py, docs/REPLICAS.md)
+    # (server/intake/router_fields.py, docs/REPLICAS.md)
     servers = [start_default_model_server(smollm2_loaded) for _ in range(2)]
     port, log = _free_port(), tmp_path_factory.mktemp("router") / "router.log"
     proc = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",

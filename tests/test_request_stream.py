@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tinyserve.engine.request_stream import STREAM_HIGH_WATER, STREAM_LOW_WATER, RequestStream
+from tinyserve.engine.loop.request_stream import STREAM_HIGH_WATER, STREAM_LOW_WATER, RequestStream
 from tinyserve.types import FinishReason, RequestOutput
 
 NUM_SAMPLES = 2

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tinyserve.engine.request import Request
-from tinyserve.engine.sampler import Sampler, _never_a_cut_token, process_logits, prompt_token_logprobs
+from tinyserve.engine.loop.request import Request
+from tinyserve.engine.sampling.sampler import Sampler, _never_a_cut_token, process_logits, prompt_token_logprobs
 from tinyserve.types import (
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from tinyserve.config import SchedulerConfig
-from tinyserve.engine.block_manager import BlockManager
-from tinyserve.engine.scheduler import Scheduler
-from tinyserve.engine.request import Request, RequestStatus, SchedulerOutput
+from tinyserve.engine.scheduling.block_manager import BlockManager
+from tinyserve.engine.scheduling.scheduler import Scheduler
+from tinyserve.engine.loop.request import Request, RequestStatus, SchedulerOutput
 from tinyserve.types import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4

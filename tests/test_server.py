@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.loader.model_loader import load_model
 from tinyserve.server.launcher import BackgroundServer
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.server.admission import DECREASE_FACTOR, INITIAL_LIMIT, MIN_LIMIT, AdaptiveAdmission
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.server.intake.admission import DECREASE_FACTOR, INITIAL_LIMIT, MIN_LIMIT, AdaptiveAdmission
 from tinyserve.server.launcher import BackgroundServer
 
 

@@ -114,7 +114,7 @@ class _QueueStub:
     is_alive = True
 
     def __init__(self, num_running: int, num_waiting: int):
-        from tinyserve.engine.stats import EngineStats
+        from tinyserve.engine.observability.stats import EngineStats
 
         fields = {f: 0 for f in EngineStats.__dataclass_fields__}
         self.stats = EngineStats(**{**fields, "num_running": num_running, "num_waiting": num_waiting})

@@ -14,7 +14,7 @@ from test_gemma3_gguf import tiny_gemma3, write_gemma3_gguf
 from tinyserve.cli import build_parser
 from tinyserve.cli_engine import engine_config_from_args
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.model_loader import load_model
 from tinyserve.server.launcher import BackgroundServer

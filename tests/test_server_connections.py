@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.server.launcher import MAX_HEADER_BYTES, BackgroundServer, _GuardedH11Protocol, _uvicorn_config
 
 BODY_READ_TIMEOUT = 3.0

@@ -1,11 +1,11 @@
-"""server/engine_view.py's last-minute prefix-cache hit rate, from the totals it samples at polls."""
+"""server/observability/engine_view.py's last-minute prefix-cache hit rate, from the totals it samples at polls."""
 
 from dataclasses import replace
 
 import pytest
 
-from tinyserve.engine.stats import EngineStats
-from tinyserve.server.engine_view import SAMPLE_EVERY_S, WINDOW_S, CounterSamples
+from tinyserve.engine.observability.stats import EngineStats
+from tinyserve.server.observability.engine_view import SAMPLE_EVERY_S, WINDOW_S, CounterSamples
 
 STATS = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=8, num_blocks=8,
                     num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_steps=0)

@@ -1,5 +1,5 @@
 """Malformed and out-of-range requests, table-driven: each gets its documented status and OpenAI's error
-shape, and the server keeps serving. Unknown fields are a 400 naming them (see server/protocol.py)."""
+shape, and the server keeps serving. Unknown fields are a 400 naming them (see server/openai_api/protocol.py)."""
 
 import json
 

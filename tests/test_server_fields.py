@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.server.launcher import BackgroundServer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -115,7 +115,7 @@ def test_no_op_fields_change_nothing_and_their_other_values_are_refused(srv):
 
 
 def test_the_fields_routers_add_are_accepted_at_their_values_and_the_others_refused(srv):
-    """vllm-router and sglang-router add these to every request they forward (server/router_fields.py)."""
+    """vllm-router and sglang-router add these to every request they forward (server/intake/router_fields.py)."""
     chat = {"messages": USER, "max_tokens": 6, "temperature": 0}
     plain = ok(srv, CHAT, chat)["choices"][0]["message"]["content"]
     added = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,

@@ -1,4 +1,4 @@
-"""The gRPC API (server/grpc_service.py) with the grpcio client, on live servers that also serve HTTP: the
+"""The gRPC API (server/grpc_api/grpc_service.py) with the grpcio client, on live servers that also serve HTTP: the
 same greedy text as HTTP for the same request, streams that add up to the unary text, HTTP's messages as
 INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED, the standard health service (SERVING, NOT_SERVING
 while loading and draining) and reflection, cancelled calls that free their requests, the `api` label,
@@ -19,13 +19,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from test_server import ENGINE, _start
 from test_server_lifecycle import SERVE, _free_port
-from tinyserve.server.proto import tinyserve_pb2 as pb
-from tinyserve.server.proto import tinyserve_pb2_grpc
+from tinyserve.server.grpc_api.proto import tinyserve_pb2 as pb
+from tinyserve.server.grpc_api.proto import tinyserve_pb2_grpc
 
 KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
 PROMPT = "The capital of France is"
-PROTO = Path(__file__).parents[1] / "tinyserve/server/proto/tinyserve.proto"
+PROTO = Path(__file__).parents[1] / "tinyserve/server/grpc_api/proto/tinyserve.proto"
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +286,7 @@ def test_the_committed_generated_code_matches_the_proto(tmp_path):
     from grpc_tools import protoc
 
     out = tmp_path / "descriptor.pb"
-    root = PROTO.parents[3]
+    root = PROTO.parents[4]
     assert protoc.main(["protoc", f"-I{root}", f"--descriptor_set_out={out}",
                         str(PROTO.relative_to(root))]) == 0
     from google.protobuf import descriptor_pb2

@@ -156,7 +156,7 @@ def test_sigterm_while_the_model_loads_exits_zero_at_once():
 HANGING_SERVE = [sys.executable, "-c", """
 import os, sys, time
 from tinyserve import cli
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 hang_file, step = sys.argv.pop(1), LLMEngine.step
 def hanging_step(self):
     while os.path.exists(hang_file):

@@ -11,11 +11,11 @@ import pydantic_core
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.loader.model_loader import resolve_model_path
 from tinyserve.server import routes
 from tinyserve.server.launcher import BackgroundServer
-from tinyserve.server.protocol import MAX_DETOKENIZE_TOKENS, MAX_PRIORITY
+from tinyserve.server.openai_api.protocol import MAX_DETOKENIZE_TOKENS, MAX_PRIORITY
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]

@@ -1,7 +1,7 @@
 """Logprob values end to end: concurrent requests with different settings share engine steps, and each
 token's logprob and top-k over HTTP are checked against a reference computed here.
 
-The reference: one float32 forward of prompt + generated tokens through engine/reference.py's dense
+The reference: one float32 forward of prompt + generated tokens through engine/greedy_reference.py's dense
 single-sequence path (contiguous block table, no batching, no sampler; its logits match transformers',
 tests/test_llama.py), then log_softmax in float64. Logprobs are of the raw logits (before temperature),
 so sampled requests are checked as well as greedy ones. The generated ids come from a spy on the engine:
@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import torch
 
-from tinyserve.engine.reference import forward_sequence
+from tinyserve.engine.greedy_reference import forward_sequence
 
 TOLERANCE = 2e-3  # float32 logits of a batched paged step against one dense sequence
 CHAT = [{"role": "user", "content": "Name three colors."}]

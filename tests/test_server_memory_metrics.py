@@ -1,4 +1,4 @@
-"""The memory series of /metrics (server/memory_stats.py, engine/process_memory.py): process RSS and
+"""The memory series of /metrics (server/observability/memory_stats.py, engine/memory/process_memory.py): process RSS and
 limit, weight and KV-pool bytes, KV blocks by state, engine alive; and /metrics before the model is ready."""
 
 import re
@@ -11,8 +11,8 @@ import pytest
 
 from conftest import start_default_model_server
 from tinyserve.config import CacheConfig, EngineConfig, ServerConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.process_memory import device_memory, memory_limit_bytes, process_rss_bytes
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.memory.process_memory import device_memory, memory_limit_bytes, process_rss_bytes
 from tinyserve.server.launcher import BackgroundServer
 
 MODEL = "smollm2-135m"

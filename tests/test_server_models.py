@@ -1,4 +1,4 @@
-"""Several models in one server (server/model_registry.py, model_slot.py, admin.py): requests go to the
+"""Several models in one server (server/registry/model_registry.py, model_slot.py, admin.py): requests go to the
 model they name, models load on demand and are evicted within --max-loaded-models, the admin API loads,
 unloads and swaps them, and a broken model fails alone. Two small random checkpoints of different
 architectures (llama, qwen2), saved with the default model's tokenizer; the oracle is each model run
@@ -304,8 +304,8 @@ def test_serve_flags_name_several_models():
 def test_a_draft_models_weights_and_pool_count_in_the_models_memory(folders):
     """Speculative method "draft" holds a second model and KV pool: the slot's memory figures include both."""
     from tinyserve.config import SpeculativeConfig
-    from tinyserve.engine.llm_engine import LLMEngine
-    from tinyserve.server.model_slot import _kv_bytes, _weight_bytes_by_format
+    from tinyserve.engine.loop.llm_engine import LLMEngine
+    from tinyserve.server.registry.model_slot import _kv_bytes, _weight_bytes_by_format
 
     def _weight_bytes(engine):
         return sum(_weight_bytes_by_format(engine).values())

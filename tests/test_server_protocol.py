@@ -5,9 +5,9 @@ import pytest
 from pydantic import ValidationError
 
 from tinyserve.server.errors import BadRequest, bad_request_from_validation
-from tinyserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from tinyserve.server.metrics import ServerMetrics, _token_buckets
-from tinyserve.server.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_REQUEST_TIMEOUT_S, ChatCompletionRequest, CompletionRequest,
+from tinyserve.server.openai_api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tinyserve.server.observability.metrics import ServerMetrics, _token_buckets
+from tinyserve.server.openai_api.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_REQUEST_TIMEOUT_S, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, refuse_unknown_fields, unknown_fields)
 from tinyserve.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
 

@@ -1,4 +1,4 @@
-"""server/request_start.py: chat, completions and gRPC start their requests through the one start path, on a
+"""server/intake/request_start.py: chat, completions and gRPC start their requests through the one start path, on a
 live server (HTTP and gRPC) on the default model: each request's metrics are tagged with its API, a request
 refused at admission gets the same error (and the same refusal count, under its API) from every surface,
 and HTTP's and gRPC's streams write through the one slow-reader guard. One model load for the module."""
@@ -9,8 +9,8 @@ import pytest
 
 from test_server import ENGINE, _start
 from test_server_grpc import _metric, _wait_idle, stub  # noqa: F401 - its stub fixture, over this module's server
-from tinyserve.server.proto import tinyserve_pb2 as pb
-from tinyserve.server.slow_reader import SlowReaderGuard
+from tinyserve.server.grpc_api.proto import tinyserve_pb2 as pb
+from tinyserve.server.intake.slow_reader import SlowReaderGuard
 
 MAX_QUEUE = 2
 MESSAGES = [{"role": "user", "content": "Hi"}]

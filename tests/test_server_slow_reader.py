@@ -1,4 +1,4 @@
-"""server/slow_reader.py's guard on its own, over fake sends: a write into room never pauses, a blocked
+"""server/intake/slow_reader.py's guard on its own, over fake sends: a write into room never pauses, a blocked
 write pauses once and resumes when it goes through, a write blocked past the timeout raises TimeoutError
 still paused (the stream ends and closes the generation)."""
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tinyserve.server.slow_reader import WRITE_BLOCKED_S, SlowReaderGuard
+from tinyserve.server.intake.slow_reader import WRITE_BLOCKED_S, SlowReaderGuard
 
 
 def _run(send_wait_s: float, write_timeout: float) -> tuple[list[bool], list[str]]:

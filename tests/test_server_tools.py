@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tinyserve.server.tools import ToolCallStream, ToolDefinition, ToolPlan, parse_tool_calls
+from tinyserve.server.openai_api.tools import ToolCallStream, ToolDefinition, ToolPlan, parse_tool_calls
 
 CHAT = "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {
@@ -165,7 +165,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(word_t
     """Hugging Face's tool-use format: `tools` as a template variable, an assistant's calls with their
     arguments as objects, a tool message with its call id (what Qwen's and Hermes' templates read)."""
     from tinyserve.loader.tokenizer import Tokenizer
-    from tinyserve.server.protocol import ChatMessage
+    from tinyserve.server.openai_api.protocol import ChatMessage
 
     template = ("{% if tools %}T:{% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
                 "{% for m in messages %}{{ m.role }}:{{ m.content }}"

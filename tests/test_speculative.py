@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.rejection_sampler import verify
-from tinyserve.engine.request import Request
-from tinyserve.engine.sampler import Sampler
-from tinyserve.engine.speculative import ngram_proposal
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.spec_decode.rejection_sampler import verify
+from tinyserve.engine.loop.request import Request
+from tinyserve.engine.sampling.sampler import Sampler
+from tinyserve.engine.spec_decode.speculative import ngram_proposal
 from tinyserve.loader.model_loader import LoadedModel
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.types import FinishReason, SamplingParams
@@ -76,7 +76,7 @@ def test_verify_gives_each_position_the_targets_exact_distribution(params):
 
 def _processed_probs(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampler's distribution per row, by the plain (non-speculative) path's own processing."""
-    from tinyserve.engine.sampler import process_logits
+    from tinyserve.engine.sampling.sampler import process_logits
 
     return process_logits(rows, _requests(params, rows.shape[0])).softmax(dim=-1)
 
@@ -370,8 +370,8 @@ def _reference_logits(loaded: LoadedModel, token_ids: torch.Tensor) -> torch.Ten
 def test_metrics_and_bench_report_the_acceptance():
     """/metrics exposes vLLM's counters (per position too); the bench client reads them back."""
     from tinyserve.bench.serve import _spec_decode_over_run
-    from tinyserve.engine.stats import EngineStats, LoopStats, SpecDecodeStats
-    from tinyserve.server.metrics import ServerMetrics
+    from tinyserve.engine.observability.stats import EngineStats, LoopStats, SpecDecodeStats
+    from tinyserve.server.observability.metrics import ServerMetrics
 
     spec = SpecDecodeStats(num_speculative_tokens=3)
     spec.count(3, 2)

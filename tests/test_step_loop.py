@@ -1,4 +1,4 @@
-"""engine/step_loop.py: several AsyncEngines on one StepLoop thread. Both busy engines progress (their
+"""engine/loop/step_loop.py: several AsyncEngines on one StepLoop thread. Both busy engines progress (their
 steps interleave), their outputs equal each engine's run alone, a step that raises kills only its own
 engine, and stopping one engine leaves the other stepping. A job run in pieces (a model's load) leaves
 an attached engine stepping between its pieces, and its result or exception reaches its future."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.step_loop import StepLoop
+from tinyserve.engine.loop.async_engine import AsyncEngine, EngineDeadError
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.loop.step_loop import StepLoop
 from tinyserve.loader.gguf import open_gguf
 from tinyserve.loader.model_loader import LoadedModel, resolve_model_path
 from tinyserve.loader.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""Constrained decoding in the engine (engine/structured_output.py, the sampler's masks, LLMEngine's
+"""Constrained decoding in the engine (engine/sampling/structured_output.py, the sampler's masks, LLMEngine's
 matcher stage) on the default model: masks allow exactly the grammar's tokens, compiled grammars are
 cached, n > 1 and preemption keep every sample in the language, a finished language stops the request
 without waiting for EOS, and everything a constrained request held is released."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from tinyserve.engine import structured_output
-from tinyserve.engine.llm_engine import LLMEngine
-from tinyserve.engine.structured_output import closed_objects
+from tinyserve.engine.sampling import structured_output
+from tinyserve.engine.loop.llm_engine import LLMEngine
+from tinyserve.engine.sampling.structured_output import closed_objects
 from tinyserve.types import FinishReason, InvalidRequest, SamplingParams, StructuredOutput
 
 DATE = StructuredOutput("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")

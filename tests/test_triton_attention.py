@@ -16,7 +16,7 @@ from test_attention import MIXES, _build  # noqa: E402
 from test_parallel import TINY_PROMPTS, tiny_folders  # noqa: E402, F401 - tiny_folders: a fixture
 
 from tinyserve import LLM, SamplingParams  # noqa: E402
-from tinyserve.engine import stage_runner  # noqa: E402
+from tinyserve.engine.execution import stage_runner  # noqa: E402
 
 from tinyserve.layers import ops  # noqa: E402
 from tinyserve.layers.attention import paged_attention, reference_paged_attention  # noqa: E402

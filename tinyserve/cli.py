@@ -26,7 +26,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace):
-    from tinyserve.engine.llm_engine import LLMEngine
+    from tinyserve.engine.loop.llm_engine import LLMEngine
 
     return LLMEngine(engine_config_from_args(args))
 
@@ -129,7 +129,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.rank != 0:  # torchrun started this rank: it computes, rank 0 serves
-        from tinyserve.engine.worker import run_worker
+        from tinyserve.engine.execution.worker import run_worker
 
         return run_worker(engine_config)
     from tinyserve.server.launcher import serve
@@ -142,8 +142,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     group come in its environment."""
     from dataclasses import replace
 
-    from tinyserve.engine.rank_setup import CONFIG_ENV, config_from_json
-    from tinyserve.engine.worker import run_worker
+    from tinyserve.engine.execution.rank_setup import CONFIG_ENV, config_from_json
+    from tinyserve.engine.execution.worker import run_worker
 
     config = config_from_json(os.environ[CONFIG_ENV])
     parallel = config.parallel

@@ -203,14 +203,14 @@ KV_CACHE_DTYPES = ("auto", "int8")
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     # The KV pool in GiB; None: auto (`--kv-cache-memory auto`). Auto on CUDA: memory_fraction of the free device
-    # memory after the weights. Auto on CPU (engine/memory_check.py): what max_num_seqs full contexts need, no
+    # memory after the weights. Auto on CPU (engine/memory/fit_check.py): what max_num_seqs full contexts need, no
     # more; memory_fraction of what the process may still use after the weights and activations, but at least
     # cpu_kv_cache_memory_gib where that much is left; within memory_share_gib, all of the share left.
     kv_cache_memory_gib: float | None = None
     memory_fraction: float = 0.5  # of free memory, when no explicit budget is given
     cpu_kv_cache_memory_gib: float = 1.0  # auto's floor on CPU, where memory allows
     # this model's share of the server's --memory-budget (weights + KV pool + activations), set by the
-    # registry (server/model_registry.py); None: no budget
+    # registry (server/registry/model_registry.py); None: no budget
     memory_share_gib: float | None = None
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # derived at start-up from the budget; set directly only in tests
@@ -261,7 +261,7 @@ SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (engine/speculative.py): a proposer guesses up to num_speculative_tokens next
+    """Speculative decoding (engine/spec_decode/speculative.py): a proposer guesses up to num_speculative_tokens next
     tokens of each decoding sequence, one forward verifies them, and rejection sampling keeps the longest
     accepted run plus one token of the target's, so the output is the target's alone (lossless)."""
 
@@ -303,7 +303,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class SamplingDefaults:
     """The sampling fields a request that leaves them out gets (named as SamplingParams' fields); an explicit
-    request field always wins. Resolved once at start-up (engine/generation_defaults.py), from the checkpoint
+    request field always wins. Resolved once at start-up (engine/loop/generation_defaults.py), from the checkpoint
     or these neutral values, then EngineConfig.override_generation_config. Ranges are SamplingParams' own,
     checked there."""
 
@@ -405,7 +405,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
-    grpc_port: int | None = None  # the gRPC API (server/grpc_service.py) on host:grpc_port too; None: off
+    grpc_port: int | None = None  # the gRPC API (server/grpc_api/grpc_service.py) on host:grpc_port too; None: off
     served_model_names: tuple[str, ...] = ()  # () : the engine's model string
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on the API routes when set
     # the admin API (/admin/models/*: load, unload, swap to a path on this machine); off, its routes are
@@ -435,7 +435,7 @@ class ServerConfig:
     body_read_timeout: float = 30.0  # seconds from a request's start to its last body byte; then 408
     max_connections: int = 2048  # concurrent connections (uvicorn limit_concurrency); beyond it 503
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this many seconds
-    # Several models (server/model_registry.py). `models` are (name, path) served beside the engine's
+    # Several models (server/registry/model_registry.py). `models` are (name, path) served beside the engine's
     # model; `models_dir` is searched for more, loaded when first asked for.
     models: tuple[tuple[str, str], ...] = ()
     models_dir: str | None = None
@@ -444,7 +444,7 @@ class ServerConfig:
     idle_unload: float | None = None  # seconds without a request after which a model is unloaded
     drain_timeout: float = 30.0  # swap / unload: seconds in-flight requests get before they are aborted
     # "fixed": up to max_queue samples wait; "adaptive": the limit follows measured TTFT to hold target_ttft
-    # seconds (server/admission.py), max_queue still the ceiling
+    # seconds (server/intake/admission.py), max_queue still the ceiling
     admission: Literal["fixed", "adaptive"] = "fixed"
     target_ttft: float | None = None
 

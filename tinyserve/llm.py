@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tinyserve.config import (CacheConfig, DType, EngineConfig, GenerationConfigSource, ParallelConfig, QuantizationMode,
                               SchedulerConfig, SpeculativeConfig)
-from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
 Prompt = str | list[int]

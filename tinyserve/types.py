@@ -15,7 +15,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 # Work done in pieces: each `next` does one piece and yields None, and the generator returns the result.
-# Why: a model loads on the step thread of every engine (engine/step_loop.py), which runs one piece of a
+# Why: a model loads on the step thread of every engine (engine/loop/step_loop.py), which runs one piece of a
 # job between rounds of steps, so that the models already serving keep stepping while another loads. A
 # piece that waits for work on another thread (a file read, loader/file_reads.py) yields that Future
 # instead: whoever runs the job does other work, or waits on it, before the next `next`.
@@ -83,7 +83,7 @@ STRUCTURED_OUTPUT_KINDS = ("json_schema", "regex", "choice", "grammar")
 class StructuredOutput:
     """Constrain the output to a language: a JSON schema (as JSON text; '{"type": "object"}' is OpenAI's
     json_object), a regex, a choice of strings (a JSON list), or a grammar (GBNF as llama.cpp writes it,
-    or Lark). Only the text: engine/structured_output.py compiles it into the token masks."""
+    or Lark). Only the text: engine/sampling/structured_output.py compiles it into the token masks."""
 
     kind: str
     spec: str

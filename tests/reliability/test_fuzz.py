@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from tinyserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tinyserve.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 SERVED_MODEL = "smollm2-135m"
 VOCAB = 49152  # SmolLM2's tokenizer, which the tiny server uses
@@ -400,7 +400,7 @@ def test_fuzz_5000_bodies(live_tiny_server):
     run_fuzz(live_tiny_server, num_structured=2300, num_raw=250, min_total=5000)
 
 
-# structured output and tools (issue 44): specs around the grammar budgets (engine/grammar_budget.py), the
+# structured output and tools (issue 44): specs around the grammar budgets (engine/sampling/grammar_budget.py), the
 # shapes that crashed the server (deep $ref chains, long rule chains) and the ones that failed at a later
 # token (large repetitions, long choice lists), mixed with ordinary ones; the bar is the same as above
 

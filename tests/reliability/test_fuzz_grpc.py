@@ -1,4 +1,4 @@
-"""Fuzzing the gRPC API (server/grpc_service.py) with generated GenerateRequest messages, unary and streamed,
+"""Fuzzing the gRPC API (server/grpc_api/grpc_service.py) with generated GenerateRequest messages, unary and streamed,
 and with bytes that are no GenerateRequest at all.
 
 The bar (issue 44, as test_fuzz.py's for HTTP): every call ends OK or with the status HTTP's answer maps to
@@ -23,7 +23,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import strategies as st
 
-from tinyserve.server.proto import tinyserve_pb2 as pb
+from tinyserve.server.grpc_api.proto import tinyserve_pb2 as pb
 
 from .conftest import tiny_server
 from .test_fuzz import FLOAT_EDGES, TEXT_EDGES, VOCAB, draw_all, wait_idle

@@ -19,8 +19,8 @@ from tinyserve.bench.client import FAILED_FINISH_REASONS, StreamingClient, _fail
 from tinyserve.bench.config import ServeBenchConfig
 from tinyserve.bench.datasets import SampleRequest
 from tinyserve.bench.metrics import RequestResult
-from tinyserve.server.proto import tinyserve_pb2 as pb
-from tinyserve.server.proto import tinyserve_pb2_grpc
+from tinyserve.server.grpc_api.proto import tinyserve_pb2 as pb
+from tinyserve.server.grpc_api.proto import tinyserve_pb2_grpc
 
 
 class GrpcStreamingClient:

@@ -1,5 +1,5 @@
 """A load's I/O thread: every read of a checkpoint's files (headers, tokenizer, tensor bytes) runs there,
-and the job that loads the model (on the step thread of every engine, engine/step_loop.py) waits for each
+and the job that loads the model (on the step thread of every engine, engine/loop/step_loop.py) waits for each
 read by yielding its Future, never by blocking and never by a page fault of a memory-mapped file.
 
 Why: a read that stalls (a file on a hung network mount, a device, a pipe swapped in after the checks of

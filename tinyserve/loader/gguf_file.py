@@ -4,7 +4,7 @@ tensors' bytes stay in the mapping (numpy views, read when a tensor is dequantiz
 Why not `gguf.GGUFReader`: it builds numpy views for every item of every array, which for SmolLM2's
 49,152-token vocabulary and 48,900 merges is seconds of Python in one call (docs/PERFORMANCE.md,
 "Several models"). A model loads on the step thread in pieces, between other models' steps
-(engine/step_loop.py), and no step can run inside one call; this reads the same header in well under a
+(engine/loop/step_loop.py), and no step can run inside one call; this reads the same header in well under a
 second. The `gguf` library still names the types and dequantizes (`gguf.quants`).
 
 Little-endian files of GGUF versions 2 and 3, what llama.cpp writes. Every count and length is checked

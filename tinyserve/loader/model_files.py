@@ -4,7 +4,7 @@ regular files too.
 
 Why stat and never open: opening a named pipe blocks until a writer comes, a device such as /dev/zero
 reads without end, a socket cannot be opened at all; a load runs on the thread that steps every engine
-(engine/step_loop.py), so one such path from the admin API would hang every model. Why one message for
+(engine/loop/step_loop.py), so one such path from the admin API would hang every model. Why one message for
 "missing" and "not a model file": a path comes from a client, and different answers would tell it which
 paths exist on the server and what they are.
 """

@@ -4,7 +4,7 @@ The model is built on the meta device (no memory, no random init) from a checked
 bounds), matched against the checkpoint's tensor names and header shapes, materialized empty on the
 target device in the target dtype, then filled tensor by tensor: peak memory is the model plus one tensor.
 Each step is also a piece of a job (`load_model_in_pieces`), so that a server's step thread can load a
-model between the steps of the models it serves (engine/step_loop.py); the files are only ever read on the
+model between the steps of the models it serves (engine/loop/step_loop.py); the files are only ever read on the
 load's I/O thread (loader/file_reads.py), so a read that stalls fails the load and stalls no step.
 """
 
@@ -58,7 +58,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: Path  # a .gguf file, or a Hugging Face folder (a directory)
     # the sampling fields the checkpoint recommends (generation_config.json, or a GGUF's general.sampling.*),
-    # in SamplingDefaults' names; the engine resolves its defaults from them (engine/generation_defaults.py)
+    # in SamplingDefaults' names; the engine resolves its defaults from them (engine/loop/generation_defaults.py)
     recommended_sampling: dict[str, float | int | None] = field(default_factory=dict)
     quantization: str | None = None  # the weight format its linears run in (resolve_quantization); None: float
 
@@ -113,7 +113,7 @@ ALIASES: dict[str, Callable[[], Path]] = {
 
 # A GGUF carries a model's recommended sampling only in general.sampling.*, which these files leave out. An
 # alias ships its model card's values instead, as Ollama's library ships per-model parameters; the engine
-# puts them over llama.cpp's defaults (engine/generation_defaults.py). SmolLM2's card samples at
+# puts them over llama.cpp's defaults (engine/loop/generation_defaults.py). SmolLM2's card samples at
 # temperature 0.2, top_p 0.9; this 4-bit 135M file is greedy by default instead, since its first token for a
 # plain question is nearly a tie between an English and a French start, which even 0.2 flips towards an
 # answer without the fact on about one seed in five (README, "Sampling defaults"). A request that sets a

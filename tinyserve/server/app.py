@@ -12,9 +12,12 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import tinyserve
 from tinyserve.config import EngineConfig, ServerConfig
-from tinyserve.server import admin, chat, completions, engine_view, routes, web
+from tinyserve.server.registry import admin
+from tinyserve.server.openai_api import chat, completions
+from tinyserve.server.observability import engine_view, web
+from tinyserve.server import routes
 from tinyserve.server.errors import install_error_handlers
-from tinyserve.server.middleware import RequestContextMiddleware
+from tinyserve.server.intake.middleware import RequestContextMiddleware
 from tinyserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -25,7 +28,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
     """`engine_factory(engine_config) -> LLMEngine` replaces the default loader (tests share one loaded
     model between apps; each model's engine_config names its source). The start-up models load in the
     background once the app starts: /health is 503 until their warm-up generations have run. With
-    `config.grpc_port` the gRPC API runs on the same event loop (`app.state.grpc`, server/grpc_server.py).
+    `config.grpc_port` the gRPC API runs on the same event loop (`app.state.grpc`, server/grpc_api/grpc_server.py).
     The admin API is mounted only with `config.enable_admin_api`; a server that listens beyond loopback
     without an API key says so loudly (ServerConfig refuses the admin API there)."""
     state = ServerState(engine_config, config, engine_factory)
@@ -34,7 +37,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         grpc_server = None
         if config.grpc_port is not None:  # bound first: a port in use fails the start before any load
-            from tinyserve.server.grpc_server import GrpcServer
+            from tinyserve.server.grpc_api.grpc_server import GrpcServer
 
             grpc_server = app.state.grpc = GrpcServer(state)
             await grpc_server.start()

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinyserve.server.responses import ErrorBody, ErrorDetail
+from tinyserve.server.openai_api.responses import ErrorBody, ErrorDetail
 
 class APIError(Exception):
     status = 500

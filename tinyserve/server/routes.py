@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 import tinyserve
 from tinyserve.server.errors import BadRequest
-from tinyserve.server.intake import encode, encode_chat, parse_body, require_api_key, server_state
-from tinyserve.server.metrics import CONTENT_TYPE
-from tinyserve.server.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
-from tinyserve.server.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList,
+from tinyserve.server.intake.request_checks import encode, encode_chat, parse_body, require_api_key, server_state
+from tinyserve.server.observability.metrics import CONTENT_TYPE
+from tinyserve.server.openai_api.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
+from tinyserve.server.openai_api.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList,
                                         SamplingDefaultsInfo, TokenizeResponse, VersionResponse)
-from tinyserve.server.model_slot import ModelSlot
+from tinyserve.server.registry.model_slot import ModelSlot
 from tinyserve.server.state import ServerState
 from tinyserve.types import SamplingParams
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Literal
 
 from tinyserve.config import EngineConfig, ServerConfig
-from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.engine.loop.async_engine import AsyncEngine
 from tinyserve.server.errors import ServiceUnavailable
-from tinyserve.server.model_registry import ModelRegistry
-from tinyserve.server.model_slot import LoadedModel, ModelSlot, drain
+from tinyserve.server.registry.model_registry import ModelRegistry
+from tinyserve.server.registry.model_slot import LoadedModel, ModelSlot, drain
 
 logger = logging.getLogger(__name__)
 Phase = Literal["loading", "ready", "draining", "stopped", "failed"]

@@ -1,0 +1,1 @@
+"""Running a scheduled step on the model: the model runner (rank 0), one rank's forward (StageRunner), the step as the ranks see it (StepPlan), CUDA graphs, and the start-up and loop of every rank."""

@@ -1,0 +1,1 @@
+"""The engine loop and a request's state in it: the synchronous engine (add_request / step / abort), the thread that steps every engine, the async front with one stream per request, and what a request holds (its sequence, detokenizer, outputs, sampling defaults)."""

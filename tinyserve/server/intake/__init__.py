@@ -1,0 +1,1 @@
+"""A generation request's way in and through: the ASGI middleware, the checks at the front door, the one start path every endpoint uses, admission, one request's run through the engine, and the slow-reader guard."""

@@ -1,0 +1,1 @@
+"""OpenAI's API: the request bodies (and their translation into SamplingParams), the response bodies, and the chat and completions endpoints with what they carry (structured-output fields, tools, logprobs)."""
