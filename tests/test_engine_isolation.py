@@ -273,7 +273,7 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(tiny_loaded):
 
 
 def assert_released(request) -> None:
-    """What LLMEngine._release promises: nothing of the request's is held any more."""
+    """What LLMEngine._end_request promises: nothing of the request's is held any more."""
     assert request.is_finished and request.finish_reason is not None and request.finished_time is not None
     assert request.block_tables == [] and request.block_hashes == []
     assert request.generator is None and request.detokenizer is None

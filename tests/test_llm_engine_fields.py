@@ -132,7 +132,7 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(smollm2_loaded)
     with pytest.raises(InvalidRequest, match=r"max_tokens must be >= 1 \(or 0 with prompt_logprobs"):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequest, match=r"prompt_logprobs must be in \[0, 20\], got 21"):
-        SamplingParams(prompt_logprobs=21)
+        engine.validate(prompt, SamplingParams(prompt_logprobs=21))  # the engine's limits (RequestLimits)
 
 
 def test_include_stop_str_in_output(smollm2_loaded):

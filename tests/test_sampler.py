@@ -11,13 +11,12 @@ import torch
 
 from tinyserve.engine.loop.request import Request
 from tinyserve.engine.sampling.sampler import Sampler, _never_a_cut_token, process_logits, prompt_token_logprobs
-from tinyserve.types import (
-    MAX_LOGIT_BIAS,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-)
+from tinyserve.request_limits import RequestLimits
+from tinyserve.types import SamplingParams
+
+LIMITS = RequestLimits()
+MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS = LIMITS.max_logit_bias, LIMITS.max_stop_string_chars
+MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS = LIMITS.max_stop_strings, LIMITS.max_stop_token_ids
 
 # chi-square critical values at p = 0.001, by degrees of freedom (standard tables)
 CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
@@ -66,10 +65,10 @@ def reference_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 @pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0),
                                           ("top_k", 0), ("min_p", 1.5), ("repetition_penalty", 0.0),
                                           ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
-                                          ("logprobs", 21), ("seed", -1)])
+                                          ("logprobs", -1), ("logprobs", 21), ("seed", -1)])
 def test_invalid_params_are_rejected(field, value):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=field):  # logprobs 21: past the default limits' cap of 20
+        LIMITS.check_sampling(SamplingParams(**{field: value}))
 
 
 def test_temperature_draws_follow_softmax():
@@ -313,7 +312,7 @@ def test_seeded_request_is_reproducible_whatever_the_batch(cuts):
 
 
 def test_a_dropped_generator_restarts_a_seeded_stream():
-    """The generator lives on the request (LLMEngine._release drops it): a new one starts from the seed."""
+    """The generator lives on the request (LLMEngine._end_request drops it): a new one starts from the seed."""
     sampler, logits = Sampler(), torch.zeros(1, 1000)
     request = make_request(SamplingParams(seed=9))
     first = [sampler(logits, [request]).next_token_ids[0] for _ in range(2)]
@@ -365,7 +364,7 @@ def test_min_tokens_excludes_eos_from_sampling():
 ])
 def test_caps_and_ranges_name_the_field_first(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} "):
-        SamplingParams(**kwargs)
+        LIMITS.check_sampling(SamplingParams(**kwargs))
 
 
 def test_caps_admit_their_limits():
@@ -374,6 +373,7 @@ def test_caps_admit_their_limits():
                             logit_bias={str(i): -1 for i in range(MAX_LOGIT_BIAS)})
     assert params.stop_token_id_set == frozenset(range(MAX_STOP_TOKEN_IDS))
     assert params.logit_bias_ids == tuple(range(MAX_LOGIT_BIAS)) and set(params.logit_bias_values) == {-1.0}
+    LIMITS.check_sampling(params)
 
 
 def test_stop_ids_outside_the_vocab_mask_nothing():

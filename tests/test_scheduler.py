@@ -73,7 +73,7 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, pre
 
 
 def finish(scheduler: Scheduler, request: Request, reason: FinishReason) -> bool:
-    """The engine's part of finishing (LLMEngine._release): out of the scheduler, its blocks freed.
+    """The engine's part of finishing (LLMEngine._end_request): out of the scheduler, its blocks freed.
     False if it had finished already."""
     was_finished = request.is_finished
     scheduler.remove(request)

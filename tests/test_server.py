@@ -1,6 +1,6 @@
 """The HTTP server against the official `openai` client and raw httpx, on live servers on loopback.
 
-One model load per module: every server here builds its engine from the same LoadedModel (engines may
+One model load per module: every server here builds its engine from the same loaded model (engines may
 share one: the KV pools travel with each step, not in the model).
 """
 

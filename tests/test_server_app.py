@@ -6,6 +6,7 @@ import asyncio
 import httpx
 
 from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.request_limits import RequestLimits
 from tinyserve.server.app import build_app
 
 
@@ -65,7 +66,7 @@ def test_request_id_echoed_sanitised_or_generated():
 
 
 def test_body_limit_from_content_length():
-    r = _request(ServerConfig(max_body_bytes=2048), "POST", "/tokenize", content=b"x" * 4096)
+    r = _request(ServerConfig(limits=RequestLimits(max_body_bytes=2048)), "POST", "/tokenize", content=b"x" * 4096)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -173,11 +174,15 @@ def test_admission_counts_every_sample_of_a_request():
 def test_server_config_limits_are_validated():
     import pytest
 
-    for field, bad in (("max_prompts_per_request", 0), ("max_messages", 0), ("max_connections", 0),
+    for field, bad in (("max_connections", 0),
                        ("stream_write_timeout", 0), ("body_read_timeout", -1.0), ("keep_alive_timeout", 0),
                        ("body_read_timeout", float("nan")), ("max_queue", 0)):
         with pytest.raises(ValueError, match=f"^{field} must be"):
             ServerConfig(**{field: bad})
+    for field, bad in (("max_prompts_per_request", 0), ("max_messages", 0), ("max_body_bytes", 1000),
+                       ("max_n", 0), ("max_logprobs", -1), ("max_priority", True), ("max_request_timeout", "1")):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            RequestLimits(**{field: bad})
 
 
 def test_the_admin_api_is_off_unless_enabled():

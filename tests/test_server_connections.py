@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from tinyserve.request_limits import RequestLimits
 from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.server.launcher import MAX_HEADER_BYTES, BackgroundServer, _GuardedH11Protocol, _uvicorn_config
 
@@ -30,7 +31,7 @@ def server(smollm2_loaded):
                           scheduler=SchedulerConfig(max_model_len=512))
     config = ServerConfig(port=0, warmup=False, body_read_timeout=BODY_READ_TIMEOUT,
                           keep_alive_timeout=KEEP_ALIVE_TIMEOUT, max_connections=MAX_CONNECTIONS,
-                          max_body_bytes=MAX_BODY)
+                          limits=RequestLimits(max_body_bytes=MAX_BODY))
     srv = BackgroundServer(engine, config, lambda cfg: LLMEngine(cfg, loaded=smollm2_loaded)).start()
     yield srv
     srv.stop()

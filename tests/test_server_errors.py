@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from tinyserve.request_limits import RequestLimits
 from tinyserve.server.launcher import BackgroundServer
 
 KEY = "k"
@@ -20,7 +21,7 @@ USER = [{"role": "user", "content": "Hi"}]
 def server():
     engine = EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gib=0.25),
                           scheduler=SchedulerConfig(max_model_len=2048))
-    config = ServerConfig(port=0, api_key=KEY, max_body_bytes=MAX_BODY, warmup=False)
+    config = ServerConfig(port=0, api_key=KEY, limits=RequestLimits(max_body_bytes=MAX_BODY), warmup=False)
     srv = BackgroundServer(engine, config).start()
     yield srv
     srv.stop()

@@ -211,11 +211,11 @@ def test_the_limit_flags_reach_the_server_config():
     config = _config("--max-prompts-per-request", "8", "--max-messages", "16", "--allow-special-tokens-in-messages",
                      "--stream-write-timeout", "4.5", "--body-read-timeout", "6", "--max-connections", "100",
                      "--keep-alive-timeout", "2")
-    assert (config.max_prompts_per_request, config.max_messages, config.allow_special_tokens_in_messages) == (8, 16, True)
+    assert (config.limits.max_prompts_per_request, config.limits.max_messages, config.allow_special_tokens_in_messages) == (8, 16, True)
     assert (config.stream_write_timeout, config.body_read_timeout) == (4.5, 6.0)
     assert (config.max_connections, config.keep_alive_timeout) == (100, 2.0)
     defaults = _config()
-    assert not defaults.allow_special_tokens_in_messages and defaults.max_prompts_per_request == 64
+    assert not defaults.allow_special_tokens_in_messages and defaults.limits.max_prompts_per_request == 64
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "bench"])

@@ -15,7 +15,9 @@ from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.loader.model_loader import resolve_model_path
 from tinyserve.server import routes
 from tinyserve.server.launcher import BackgroundServer
-from tinyserve.server.openai_api.protocol import MAX_DETOKENIZE_TOKENS, MAX_PRIORITY
+from tinyserve.request_limits import RequestLimits
+
+MAX_PRIORITY, MAX_DETOKENIZE_TOKENS = RequestLimits.max_priority, RequestLimits.max_detokenize_tokens
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
@@ -35,7 +37,7 @@ def _start(loaded, **server_kwargs) -> BackgroundServer:
 
 @pytest.fixture(scope="module")
 def server(smollm2_loaded):
-    srv = _start(smollm2_loaded, max_prompts_per_request=4, max_messages=8, max_queue=MAX_QUEUE)
+    srv = _start(smollm2_loaded, limits=RequestLimits(max_prompts_per_request=4, max_messages=8), max_queue=MAX_QUEUE)
     yield srv
     srv.stop()
 
@@ -163,9 +165,14 @@ def test_n_is_capped_at_half_the_seats(server, smollm2_loaded):
         error = assert_400(post(server, path, {**body, "n": 33, "max_tokens": 1}), "n", "--max-n",
                            code="too_many_samples")
         assert "(32," in error["message"], error
-    capped = _start(smollm2_loaded, max_n=3)
+    # the server's limits are its engine's too: 17 stop strings (the default cap is 16) pass both checks
+    capped = _start(smollm2_loaded, limits=RequestLimits(max_n=3, max_stop_strings=17))
     try:
         assert_400(post(capped, C, {"prompt": [[1]], "n": 4, "max_tokens": 1}), "n", "(3, --max-n)")
+        stops = [f"never{i}" for i in range(17)]
+        assert post(capped, C, {"prompt": [[1]], "max_tokens": 1, "stop": stops}).status_code == 200
+        assert_400(post(capped, C, {"prompt": [[1]], "max_tokens": 1, "stop": [*stops, "x"]}), "stop", "at most 17")
+        assert_400(post(server, C, {"prompt": [[1]], "max_tokens": 1, "stop": stops}), "stop", "at most 16")
         r = post(capped, C, {"prompt": [[1]], "n": 3, "max_tokens": 1, "temperature": 1.0, "seed": 1})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
         assert_idle_and_healthy(capped)

@@ -7,9 +7,13 @@ from pydantic import ValidationError
 from tinyserve.server.errors import BadRequest, bad_request_from_validation
 from tinyserve.server.openai_api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tinyserve.server.observability.metrics import ServerMetrics, _token_buckets
-from tinyserve.server.openai_api.protocol import (MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_REQUEST_TIMEOUT_S, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, refuse_unknown_fields, unknown_fields)
+from tinyserve.server.openai_api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest, refuse_unknown_fields, unknown_fields)
+from tinyserve.request_limits import RequestLimits
 from tinyserve.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob, Usage
+
+MAX_CACHE_SALT_CHARS, MAX_PRIORITY = RequestLimits.max_cache_salt_chars, RequestLimits.max_priority
+MAX_REQUEST_TIMEOUT_S = RequestLimits.max_request_timeout
 
 
 def _chat(**fields) -> ChatCompletionRequest:
@@ -85,13 +89,14 @@ def _error(model, body: dict, context: dict | None = None) -> BadRequest:
 
 
 def test_size_caps_come_from_the_validation_context():
-    limits = {"max_prompts": 2, "max_messages": 3}
+    limits = {"limits": RequestLimits(max_prompts_per_request=2, max_messages=3)}
     error = _error(CompletionRequest, {"prompt": ["a", "b", "c"]}, limits)
     assert error.param == "prompt" and error.message == ("prompt: must hold at most 2 prompts, got 3 (the server's "
                                                          "--max-prompts-per-request)")
     assert _error(CompletionRequest, {"prompt": [[1], [2], [3]]}, limits).param == "prompt"
     assert CompletionRequest.model_validate({"prompt": list(range(100))}, context=limits).prompt == [list(range(100))]
-    assert len(CompletionRequest.model_validate({"prompt": ["a"] * 100}).prompt) == 100  # no context: no cap
+    assert len(CompletionRequest.model_validate({"prompt": ["a"] * 64}).prompt) == 64  # no context: the defaults
+    assert _error(CompletionRequest, {"prompt": ["a"] * 65}).param == "prompt"
     wizards = {"messages": [{"role": "wizard"}] * 10}  # the count is checked before any message is
     for model in (ChatCompletionRequest, TokenizeRequest):
         error = _error(model, wizards, limits)

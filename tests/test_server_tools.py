@@ -165,7 +165,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(word_t
     """Hugging Face's tool-use format: `tools` as a template variable, an assistant's calls with their
     arguments as objects, a tool message with its call id (what Qwen's and Hermes' templates read)."""
     from tinyserve.loader.tokenizer import Tokenizer
-    from tinyserve.server.openai_api.protocol import ChatMessage
+    from tinyserve.server.openai_api.protocol import ChatMessageParam
 
     template = ("{% if tools %}T:{% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
                 "{% for m in messages %}{{ m.role }}:{{ m.content }}"
@@ -174,7 +174,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(word_t
     base = word_tokenizer(8)
     tokenizer = Tokenizer(base._backend, chat_template=template)
     assert tokenizer.template_renders_tools
-    messages = [ChatMessage.model_validate(m).as_template_message(native_tools=True) for m in [
+    messages = [ChatMessageParam.model_validate(m).as_template_message(native_tools=True) for m in [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},

@@ -4,6 +4,7 @@ cli_bench.py (the bench subcommands), the only place that parses arguments and e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import stat
@@ -14,6 +15,7 @@ from tinyserve.cli_bench import add_bench_parser
 from tinyserve.cli_engine import (LOG_LEVELS, add_chat_template_arg, add_engine_args, add_generation_config_args,
                                   engine_config_from_args, models_from_args, parallel_config_from)
 from tinyserve.config import ServerConfig
+from tinyserve.request_limits import RequestLimits
 
 # Every default below is read from the config dataclasses (tinyserve/config.py), so that the command line and
 # the configs cannot drift apart.
@@ -107,6 +109,34 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return key
 
 
+def add_request_limit_args(group: argparse._ArgumentGroup) -> None:
+    """One flag per RequestLimits field, named after it, its default the field's."""
+    for f in dataclasses.fields(RequestLimits):
+        kind = float if "float" in str(f.type) else int
+        group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, metavar="N",
+                           help=f.metadata["help"] + ("" if f.default is None else " (default: %(default)s)"))
+
+
+def add_timeout_args(group: argparse._ArgumentGroup) -> None:
+    for flag, default, help in (
+        ("--request-timeout", ServerConfig.request_timeout, "end a request this many seconds after its arrival "
+         "(finish_reason timeout); caps a request's own `timeout` field (default: never)"),
+        ("--body-read-timeout", ServerConfig.body_read_timeout, "a request's headers, and then its body, must "
+         "arrive within this long (else the connection is closed; a late body gets 408)"),
+        ("--stream-write-timeout", ServerConfig.stream_write_timeout,
+         "a stream whose client reads nothing for this long is aborted"),
+        ("--keep-alive-timeout", ServerConfig.keep_alive_timeout,
+         "close a connection that has sent nothing for this long between requests"),
+        ("--stall-timeout", ServerConfig.stall_timeout,
+         "/health is 503 when work is pending and no step has finished for this long"),
+        ("--drain-timeout", ServerConfig.drain_timeout, "swap / unload: in-flight requests get this long to "
+         "finish on the old weights, then end with finish_reason abort"),
+        ("--shutdown-timeout", ServerConfig.shutdown_timeout, "on SIGTERM/SIGINT, in-flight requests get this "
+         "long to finish before being aborted; a second signal aborts them at once"),
+    ):
+        group.add_argument(flag, type=float, default=default, metavar="S", help=help)
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     _, names, models = models_from_args(args)
     return ServerConfig(
@@ -114,10 +144,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         models=models, models_dir=args.models_dir, max_loaded_models=args.max_loaded_models,
         memory_budget_gib=args.memory_budget, idle_unload=args.idle_unload, drain_timeout=args.drain_timeout,
         api_key=api_key_from(args), enable_admin_api=args.enable_admin_api, max_queue=args.max_queue,
-        max_n=args.max_n, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-        max_body_bytes=args.max_body_bytes, allowed_origins=tuple(args.allowed_origins or ()),
-        stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
-        max_prompts_per_request=args.max_prompts_per_request, max_messages=args.max_messages,
+        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+        allowed_origins=tuple(args.allowed_origins or ()), stall_timeout=args.stall_timeout, warmup=not args.no_warmup,
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}),
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         allow_unknown_fields=args.allow_unknown_fields,
         stream_write_timeout=args.stream_write_timeout, body_read_timeout=args.body_read_timeout,
@@ -176,26 +205,13 @@ def _add_serve_parser(sub) -> None:
                    default=ServerConfig.max_queue, metavar="N",
                    help="waiting sequences beyond which new requests get 503 ('none': no limit); "
                         "a request of more samples (prompts x n) than this gets 400")
-    g.add_argument("--max-n", type=int, default=ServerConfig.max_n, metavar="N",
-                   help="the largest n (samples of each prompt) one request may ask for; more is a 400 "
-                        "(default: half of --max-num-seqs, so that one request cannot take every seat)")
     g.add_argument("--admission", choices=("fixed", "adaptive"), default=ServerConfig.admission,
                    help="fixed: up to --max-queue sequences wait; adaptive: the limit follows measured TTFT "
                         "to hold --target-ttft (README 'Admission')")
     g.add_argument("--target-ttft", type=float, default=None, metavar="MS",
                    help="adaptive admission's time-to-first-token target, in milliseconds")
-    g.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout, metavar="S",
-                   help="end a request this many seconds after its arrival (finish_reason timeout); caps a "
-                        "request's own `timeout` field (default: never)")
-    g.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout, metavar="S",
-                   help="on SIGTERM/SIGINT, in-flight requests get this long to finish before being aborted; "
-                        "a second signal aborts them at once")
-    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                   help="larger request bodies get 413")
     g.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="enable CORS for these origins ('*' for any); off by default")
-    g.add_argument("--stall-timeout", type=float, default=ServerConfig.stall_timeout, metavar="S",
-                   help="/health is 503 when work is pending and no step has finished for this long")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before ready")
     m = serve.add_argument_group("several models (README 'Several models')")
     m.add_argument("--models-dir", default=None, metavar="DIR",
@@ -208,31 +224,18 @@ def _add_serve_parser(sub) -> None:
                         "(GIB / --max-loaded-models) minus its weights (default: no budget)")
     m.add_argument("--idle-unload", type=float, default=ServerConfig.idle_unload, metavar="S",
                    help="unload a model no request has used for S seconds (default: never)")
-    m.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout, metavar="S",
-                   help="swap / unload: in-flight requests get this long to finish on the old weights, "
-                        "then end with finish_reason abort")
     g.add_argument("--allow-unknown-fields", action="store_true",
                    help="ignore request fields this server does not implement (default: a 400 naming the "
                         "field, code unknown_parameter), for clients that send other servers' extras")
-    limits = serve.add_argument_group("request and connection limits")
-    limits.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts_per_request,
-                        metavar="N",
-                        help="prompts in one completion request; more get 400")
-    limits.add_argument("--max-messages", type=int, default=ServerConfig.max_messages, metavar="N",
-                        help="messages in one chat request; more get 400")
+    add_request_limit_args(serve.add_argument_group("request limits (tinyserve/request_limits.py; beyond one: 400, "
+                                                    "413 for the body)"))
+    limits = serve.add_argument_group("connections")
     limits.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="render special-token text in chat messages (e.g. '<|im_start|>') as control "
                              "tokens instead of plain text: trusted clients only, it lets a message forge turns")
-    limits.add_argument("--stream-write-timeout", type=float, default=ServerConfig.stream_write_timeout,
-                        metavar="S",
-                        help="a stream whose client reads nothing for this long is aborted")
-    limits.add_argument("--body-read-timeout", type=float, default=ServerConfig.body_read_timeout, metavar="S",
-                        help="a request's headers, and then its body, must arrive within this long (else the "
-                             "connection is closed; a late body gets 408)")
     limits.add_argument("--max-connections", type=int, default=ServerConfig.max_connections, metavar="N",
                         help="concurrent connections; requests beyond it get 503")
-    limits.add_argument("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_timeout, metavar="S",
-                        help="close a connection that has sent nothing for this long between requests")
+    add_timeout_args(serve.add_argument_group("timeouts (seconds)"))
     add_engine_args(serve, several_models=True)
     add_chat_template_arg(serve)
     add_generation_config_args(serve)

@@ -8,6 +8,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from tinyserve.request_limits import RequestLimits
+
 # The defaults of every setting live in the dataclasses below (and these constants): cli.py's arguments,
 # tinyserve.LLM's keywords and the benchmark configs read them from here rather than repeat them.
 DEFAULT_MODEL = "smollm2-135m"
@@ -375,6 +377,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # a load fails when a read of the model's files gives no data for this long (loader/file_reads.py)
     load_read_timeout: float = 30.0
+    # the caps every request this engine takes is checked against (LLMEngine.validate); a server sets its own
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -414,16 +418,12 @@ class ServerConfig:
     # waiting (unscheduled) samples; beyond it new requests get 503 at once, and a request of more samples
     # (prompts x n) than this gets 400
     max_queue: int | None = 256
-    max_n: int | None = None  # a request's n beyond it gets 400; None: half of max_num_seqs
     request_timeout: float | None = None  # seconds from arrival; then the request is aborted
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM / SIGINT
-    max_body_bytes: int = 4 << 20  # larger request bodies get 413
     allowed_origins: tuple[str, ...] = ()  # CORS: off unless origins are given ("*" for any)
     stall_timeout: float = 60.0  # /health is 503 when work is pending and no step finished for this long
     warmup: bool = True  # one short generation before reporting ready
-    # Request-size caps (a 400 beyond them): prompts in one completion body, messages in one chat body.
-    max_prompts_per_request: int = 64
-    max_messages: int = 1024
+    limits: RequestLimits = field(default_factory=RequestLimits)  # every cap on one request: request_limits.py
     # Special-token text in chat messages (e.g. "<|im_start|>") is encoded as plain text so a user
     # cannot forge a turn; True renders it as control tokens, for trusted clients only.
     allow_special_tokens_in_messages: bool = False
@@ -471,8 +471,6 @@ class ServerConfig:
                              f"loopback (host {self.host!r}) it needs an API key (--api-key-file)")
         if self.max_queue is not None and self.max_queue < 1:  # 0 would refuse every request (400)
             raise ValueError(f"max_queue must be >= 1 (or unset: no limit), got {self.max_queue}")
-        if self.max_n is not None and self.max_n < 1:
-            raise ValueError(f"max_n must be >= 1 (or unset: half of max_num_seqs), got {self.max_n}")
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
             raise ValueError(f"max_loaded_models must be >= 1 (or unset: no limit), got {self.max_loaded_models}")
         names = [name for name, _ in self.models]
@@ -493,11 +491,8 @@ class ServerConfig:
             raise ValueError("admission adaptive and target_ttft go together (the target is what it holds)")
         if self.target_ttft is not None and not self.target_ttft > 0:
             raise ValueError(f"target_ttft must be > 0 seconds, got {self.target_ttft}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in ("max_prompts_per_request", "max_messages", "max_connections"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         for name in ("stream_write_timeout", "body_read_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -39,13 +39,6 @@ def run_to_end(job: Job[T]) -> T:
         if waiting_on is not None:  # resumed now and then: the job keeps its own deadline
             concurrent.futures.wait([waiting_on], timeout=JOB_WAIT_POLL_S)
 
-MAX_TOP_LOGPROBS = 20
-# Per-request caps: the engine thread does work in proportion to each of these on every token
-# (stop-string matching, the stop-id set, the logit_bias scatter), so one body must not choose them.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 1024
 
 
 class FinishReason(str, enum.Enum):
@@ -73,9 +66,6 @@ def _check_range(name: str, value: float, low: float, high: float, *, low_open: 
         raise InvalidRequest(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
 
 
-# A grammar's text is compiled (and its compiled form cached) before the request runs; the cap bounds
-# that work and the cache's memory per entry.
-MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "regex", "choice", "grammar")
 
 
@@ -94,9 +84,6 @@ class StructuredOutput:
                                  f"got {self.kind!r}", param="structured_output")
         if not isinstance(self.spec, str) or not self.spec:
             raise InvalidRequest(f"the {self.kind} must be a non-empty string", param="structured_output")
-        if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise InvalidRequest(f"the {self.kind} must be at most {MAX_STRUCTURED_OUTPUT_CHARS} characters, "
-                                 f"got {len(self.spec)}", param="structured_output")
 
 
 @dataclass(frozen=True)
@@ -149,28 +136,19 @@ class SamplingParams:
                                  f"got {self.max_tokens}", param="max_tokens")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", param="min_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
-                                 param="prompt_logprobs")
+        for name in ("logprobs", "prompt_logprobs"):  # their caps: RequestLimits.max_logprobs
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InvalidRequest(f"{name} must be >= 0, got {getattr(self, name)}", param=name)
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
 
     def _check_stops(self) -> None:
-        """Normalizes stop and stop_token_ids to tuples; counts are checked before any per-entry work."""
+        """Normalizes stop and stop_token_ids to tuples (their counts: RequestLimits.check_sampling)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidRequest("stop strings must be non-empty strings", param="stop")
-        if max(map(len, stop), default=0) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequest(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long", param="stop")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
-                                 param="stop_token_ids")
         try:
             ids = tuple(operator.index(t) for t in ids)
         except TypeError:
@@ -181,10 +159,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_id_set", frozenset(ids))
 
     def _check_logit_bias(self) -> None:
-        bias = self.logit_bias or {}
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequest(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
-                                 param="logit_bias")
+        bias = self.logit_bias or {}  # its count: RequestLimits.check_sampling
         ids, values = [], []
         for key, value in bias.items():
             try:

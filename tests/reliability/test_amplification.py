@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tinyserve.types import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tinyserve.request_limits import RequestLimits
+
+LIMITS = RequestLimits()
+MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS = LIMITS.max_logit_bias, LIMITS.max_stop_string_chars
+MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS = LIMITS.max_stop_strings, LIMITS.max_stop_token_ids
 
 from .server_process import ServerProcess
 

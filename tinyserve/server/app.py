@@ -63,6 +63,6 @@ def build_app(engine_config: EngineConfig, config: ServerConfig,
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes,
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=config.limits.max_body_bytes,
                        body_read_timeout=config.body_read_timeout)
     return app

@@ -14,7 +14,7 @@ import tinyserve
 from tinyserve.server.errors import BadRequest
 from tinyserve.server.intake.request_checks import encode, encode_chat, parse_body, require_api_key, server_state
 from tinyserve.server.observability.metrics import CONTENT_TYPE
-from tinyserve.server.openai_api.protocol import MAX_PRIORITY, DetokenizeRequest, TokenizeRequest, limits_context
+from tinyserve.server.openai_api.protocol import DetokenizeRequest, TokenizeRequest, limits_context
 from tinyserve.server.openai_api.responses import (DetokenizeResponse, HealthResponse, ModelCard, ModelList,
                                         SamplingDefaultsInfo, TokenizeResponse, VersionResponse)
 from tinyserve.server.registry.model_slot import ModelSlot
@@ -105,7 +105,7 @@ async def health(request: Request, deep: bool = False, model: str | None = None)
 
 
 class DeepHealthProbe:
-    """A one-token greedy generation at priority -(MAX_PRIORITY + 1), ahead of every client. /health is
+    """A one-token greedy generation at priority -(max_priority + 1), ahead of every client. /health is
     open, so a flood of deep probes must not flood the engine: probes that arrive while one runs await
     that one, and its result answers every probe for DEEP_HEALTH_REUSE_S after it ends; at most one
     probe generation is ever queued. One per app (kept on app.state)."""
@@ -139,7 +139,7 @@ async def _one_token(state: ServerState) -> tuple[bool, str]:
     params = SamplingParams(max_tokens=1, temperature=0.0)
     ids = engine.tokenizer.encode("Hi")
     finals = [out async for out in engine.generate(f"health-{uuid.uuid4().hex}", ids, params,
-                                                   priority=-(MAX_PRIORITY + 1)) if out.finished]
+                                                   priority=-(state.config.limits.max_priority + 1)) if out.finished]
     ok = bool(finals) and finals[0].finish_reason.value in ("length", "stop")
     return (True, "ok") if ok else (False, "generation_failed")
 

@@ -23,7 +23,7 @@ from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.engine.loop.async_engine import AsyncEngine
 from tinyserve.server.errors import ServiceUnavailable
 from tinyserve.server.registry.model_registry import ModelRegistry
-from tinyserve.server.registry.model_slot import LoadedModel, ModelSlot, drain
+from tinyserve.server.registry.model_slot import ServedModel, ModelSlot, drain
 
 logger = logging.getLogger(__name__)
 Phase = Literal["loading", "ready", "draining", "stopped", "failed"]
@@ -118,7 +118,7 @@ class ServerState:
         if self.phase == "failed":
             raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
 
-    def admit(self, num_samples: int = 1) -> LoadedModel | None:
+    def admit(self, num_samples: int = 1) -> ServedModel | None:
         """Called before any parsing or tokenization: refuses at once when the server cannot take work,
         or, serving one model, when its queue is full (ModelSlot.admit: 503 when the request's samples
         would push the waiting ones past max_queue, 400 when they alone exceed it)."""
@@ -136,11 +136,11 @@ class ServerState:
         limits = [t for t in (requested, self.config.request_timeout) if t is not None]
         return min(limits) if limits else None
 
-    async def acquire(self, name: str | None, arrival: float, timeout: float | None) -> LoadedModel:
+    async def acquire(self, name: str | None, arrival: float, timeout: float | None) -> ServedModel:
         """After parsing: the load a request's `model` names (404 if none), as `acquire_slot`."""
         return await self.acquire_slot(self.registry.resolve(name), arrival, timeout)
 
-    async def acquire_slot(self, slot: ModelSlot, arrival: float, timeout: float | None) -> LoadedModel:
+    async def acquire_slot(self, slot: ModelSlot, arrival: float, timeout: float | None) -> ServedModel:
         """The load now serving `slot`, loaded on demand within the request's timeout (`request_timeout`),
         and admitted. Wrap the work up to Generation.start in its `pending()`."""
         self.check_phase()

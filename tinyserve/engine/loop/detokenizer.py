@@ -128,13 +128,13 @@ class IncrementalDetokenizer:
         if self.stop_hit is not None:
             return ""
         self._ids.extend(new_token_ids)
-        return self._release(self._decode_window(final=False))
+        return self._cut_at_stop(self._decode_window(final=False))
 
     def flush(self) -> str:
         """The sequence ended (length, eos, abort): release held text, even an incomplete character."""
         if self.stop_hit is not None:
             return ""
-        released = self._release(self._decode_window(final=True))
+        released = self._cut_at_stop(self._decode_window(final=True))
         if self.stop_hit is None:
             released, self.text, self._held = released + self._held, self.text + self._held, ""
         return released
@@ -180,7 +180,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, end, None
         return delta
 
-    def _release(self, delta: str) -> str:
+    def _cut_at_stop(self, delta: str) -> str:
         """Cut at the first stop string, hold back a tail that may start one, release the rest."""
         if self._matcher is None:
             self.text += delta

@@ -7,7 +7,7 @@ here knows about HTTP.
 
 One lifecycle: the engine owns every unfinished request, through the RequestGroup of its user request
 id, and every way a request ends (EOS, a stop id or string, length, the pool outgrown, abort, timeout,
-an error) goes through `_release`, which takes it out of the scheduler and drops all it held: blocks,
+an error) goes through `_end_request`, which takes it out of the scheduler and drops all it held: blocks,
 seeded generator, detokenizer, and its group once the group's last sample has ended.
 
 Failure isolation: an exception that one request's data can cause fails that request, never the engine.
@@ -176,6 +176,7 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Meaning checks the server turns into 400s: InvalidRequest names the field and the numbers.
         Each entry runs them once: add_request here, the server's intake before AsyncEngine.submit."""
+        self.config.limits.check_sampling(params)
         if not prompt_token_ids:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         vocab = self.model_config.vocab_size
@@ -242,7 +243,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         finals = []
         for request in group.unfinished if group is not None else []:
-            self._release(request, reason)
+            self._end_request(request, reason)
             finals.append(self._output_of(request, None))
         return finals
 
@@ -309,7 +310,7 @@ class LLMEngine:
         outputs = []
         for request, reason, text, num_new in ends:
             if reason is not None:
-                self._release(request, reason)
+                self._end_request(request, reason)
             logprobs = result.logprobs.get(request)
             outputs.append(self._output_of(request, text, num_new, logprobs[:num_new] if logprobs else None))
         if plan.scheduled:
@@ -367,7 +368,7 @@ class LLMEngine:
             return request, FinishReason.ERROR, None, 0
         return request, reason, text, num_new
 
-    def _release(self, request: Request, reason: FinishReason) -> None:
+    def _end_request(self, request: Request, reason: FinishReason) -> None:
         """The one exit of a request: out of the scheduler (its blocks freed), its generator dropped, its
         group forgotten after its last sample. The detokenizer goes once the final output is built."""
         self.scheduler.remove(request)
@@ -403,7 +404,7 @@ class LLMEngine:
         except Exception:
             logger.exception("%s failed while its output was built", request)
             if not request.is_finished:
-                self._release(request, FinishReason.ERROR)
+                self._end_request(request, FinishReason.ERROR)
             elif request.finish_reason not in CANCELLED:  # an abort still ends it, without its text
                 request.finish_reason = FinishReason.ERROR
                 self.num_failed_requests += 1
@@ -423,7 +424,7 @@ class LLMEngine:
         ends = [(r, FinishReason.ERROR) for r in failed] + [(r, FinishReason.LENGTH) for r in plan.outgrown]
         outputs = []
         for request, reason in ends:
-            self._release(request, reason)
+            self._end_request(request, reason)
             outputs.append(self._output_of(request, None))
         if self._num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(f"{MAX_CONSECUTIVE_FAILED_STEPS} steps in a row failed in the batch stage") from exc

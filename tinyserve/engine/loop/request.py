@@ -6,7 +6,7 @@ hold Request objects (compared by identity), and each piece of per-sequence stat
 itself: the block table and its hashes (BlockManager), the seeded generator (Sampler), the grammar
 matcher (engine/sampling/structured_output.py), the incremental detokenizer (LLMEngine), the timings. `LLMEngine`
 owns every unfinished Request through its RequestGroup and ends each one in one place
-(`LLMEngine._release`), which drops all of that state at once.
+(`LLMEngine._end_request`), which drops all of that state at once.
 """
 
 from __future__ import annotations

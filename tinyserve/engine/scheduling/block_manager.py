@@ -161,7 +161,7 @@ class BlockManager:
                     self._take(block_id)
                 table.extend([0] * plan.num_released[group] + plan.cached[group])
                 request.num_released_blocks[group] = plan.num_released[group]
-            self._release(request, group, plan.release_to[group])
+            self._free_entries(request, group, plan.release_to[group])
         for group, table in enumerate(request.block_tables):
             table.extend(self._pop_fresh() for _ in range(plan.num_fresh[group]))
         if was_empty and request.block_tables[0]:  # a holder from its first block on, until free
@@ -274,7 +274,7 @@ class BlockManager:
             return None
         return _Plan(release_to, cached, num_released, num_fresh)
 
-    def _release(self, request: Request, group: int, end: int) -> None:
+    def _free_entries(self, request: Request, group: int, end: int) -> None:
         """Release the group's table entries before `end` that are still held."""
         table, first = request.block_tables[group], request.num_released_blocks[group]
         for i in range(first, end):

@@ -56,7 +56,7 @@ class GrpcServer:
         # no SO_REUSEPORT: a second server on a port in use must fail, not share it; a message is capped
         # as HTTP caps a body, and calls as HTTP caps connections (beyond: RESOURCE_EXHAUSTED)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                          ("grpc.max_receive_message_length", config.max_body_bytes)],
+                                          ("grpc.max_receive_message_length", config.limits.max_body_bytes)],
                                  maximum_concurrent_rpcs=config.max_connections)
         add_service(TinyServeService(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

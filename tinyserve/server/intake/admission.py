@@ -115,14 +115,14 @@ class AdmissionTicket:
         admission.num_pending += num_samples
 
     def first_token(self, ttft_s: float) -> None:
-        if self._release():
+        if self._leave_pending():
             self._admission.observe(ttft_s)
 
     def close(self) -> None:
         """The request ended (or failed to start); without a first token its wait is no TTFT."""
-        self._release()
+        self._leave_pending()
 
-    def _release(self) -> bool:
+    def _leave_pending(self) -> bool:
         if not self._is_pending:
             return False
         self._is_pending = False

@@ -177,7 +177,7 @@ def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-async def run_to_end(generation: Generation, request: Request) -> None:
+async def collect_while_connected(generation: Generation, request: Request) -> None:
     """Non-streaming HTTP: `collect` while watching for the client's disconnect (then abort)."""
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":

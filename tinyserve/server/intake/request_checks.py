@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from tinyserve.engine.loop.async_engine import AsyncEngine
 from tinyserve.server.errors import BadRequest, Unauthorized, bad_request_from_validation
-from tinyserve.server.registry.model_slot import LoadedModel
+from tinyserve.server.registry.model_slot import ServedModel
 from tinyserve.server.openai_api.protocol import entry_caps, limits_context, refuse_unknown_fields
 from tinyserve.server.state import ServerState
 from tinyserve.types import InvalidRequest, SamplingParams
@@ -98,7 +98,7 @@ def refuse_long_lists(body: bytes, caps: dict[str, int]) -> None:
         return
 
 
-def check_fits(loaded: LoadedModel, num_chars: int, param: str) -> None:
+def check_fits(loaded: ServedModel, num_chars: int, param: str) -> None:
     """A text of more characters than the context's tokens can cover is refused without tokenizing it."""
     max_token_chars = loaded.engine.tokenizer.max_token_chars
     if max_token_chars is not None and num_chars > loaded.max_model_len * max_token_chars:
@@ -112,12 +112,12 @@ async def encode(engine: AsyncEngine, text: str, add_special_tokens: bool = True
     return engine.tokenizer.encode(text, add_special_tokens)
 
 
-async def encode_prompt(loaded: LoadedModel, text: str) -> list[int]:
+async def encode_prompt(loaded: ServedModel, text: str) -> list[int]:
     check_fits(loaded, len(text), "prompt")
     return await encode(loaded.engine, text)
 
 
-async def encode_chat(state: ServerState, loaded: LoadedModel, messages: list[dict],
+async def encode_chat(state: ServerState, loaded: ServedModel, messages: list[dict],
                       add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
     """The conversation's prompt ids, rendered and encoded in a worker thread. Special-token text in
     content is encoded as text, and in a name refused, unless the server trusts its clients

@@ -11,7 +11,7 @@ metrics and the deadline exist once. An endpoint brings only its translation: ho
 3. its deadline (ServerState.request_timeout: the body's `timeout` under --request-timeout), from arrival;
 4. its model, resolved once (404 model_not_found), then loaded on demand within the deadline and admitted
    (ServerState.acquire_slot: 503 loading, failed, unloaded, engine dead);
-5. pinned to the load it was admitted to (LoadedModel.pending) until its stream is open, so a swap or an
+5. pinned to the load it was admitted to (ServedModel.pending) until its stream is open, so a swap or an
    unload waits for it; unpinned on every way out;
 6. its sampling parameters over the model's defaults, its grammar compiled, its prompts encoded (400);
 7. admission again, counting every sample (prompts x n) with its priority, with no await before it is
@@ -31,14 +31,14 @@ from typing import Generic, TypeVar
 from tinyserve.server.intake.generation import Generation
 from tinyserve.server.intake.request_checks import compile_structured_output
 from tinyserve.server.observability.metrics import API
-from tinyserve.server.registry.model_slot import LoadedModel, ModelSlot
+from tinyserve.server.registry.model_slot import ServedModel, ModelSlot
 from tinyserve.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve.server.state import ServerState
 from tinyserve.types import SamplingParams
 
 B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
 # (body, its load, its sampling parameters) -> each prompt's ids, checked by the engine (intake.validate_prompt)
-Encoder = Callable[[B, LoadedModel, SamplingParams], Awaitable[list[list[int]]]]
+Encoder = Callable[[B, ServedModel, SamplingParams], Awaitable[list[list[int]]]]
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StartedRequest(Generic[B]):
     """A request queued in the engine; the endpoint streams or collects its `generation`, which closes it."""
 
     body: B
-    loaded: LoadedModel  # the load the request was admitted to, kept to its end
+    loaded: ServedModel  # the load the request was admitted to, kept to its end
     generation: Generation  # started: queued in the engine, its deadline running
     model_name: str  # as responses name it: the body's `model`, else the served model's name
 
@@ -75,14 +75,14 @@ async def start_request(state: ServerState, read_body: Callable[[], Awaitable[B]
     return StartedRequest(body, loaded, generation, body.model or state.model_name)
 
 
-async def sampling_params(body: B, loaded: LoadedModel) -> SamplingParams:
+async def sampling_params(body: B, loaded: ServedModel) -> SamplingParams:
     """The body's sampling parameters over the model's defaults, its grammar compiled (400 naming its field)."""
     params = body.with_defaults(body.to_sampling_params(), loaded.sampling_defaults)
     await compile_structured_output(loaded.engine, params, body.structured_output_param())
     return params
 
 
-def _queue(slot: ModelSlot, loaded: LoadedModel, generation: Generation, priority: int) -> None:
+def _queue(slot: ModelSlot, loaded: ServedModel, generation: Generation, priority: int) -> None:
     """Admission counting every sample, the API tag, and the request queued, with no await in between."""
     num_samples = len(generation.choices)
     slot.admit(num_samples, loaded, priority, generation.params.n)

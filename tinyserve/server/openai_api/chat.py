@@ -7,13 +7,13 @@ import functools
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.server.intake.generation import EventStreamResponse, Generation, event_stream, run_to_end
+from tinyserve.server.intake.generation import EventStreamResponse, Generation, event_stream, collect_while_connected
 from tinyserve.server.intake.request_checks import body_reader, encode_chat, require_api_key, server_state, validate_prompt
 from tinyserve.server.openai_api.logprobs import TokenTexts, chat_logprobs, prompt_logprobs
-from tinyserve.server.registry.model_slot import LoadedModel
+from tinyserve.server.registry.model_slot import ServedModel
 from tinyserve.server.openai_api.protocol import ChatCompletionRequest
 from tinyserve.server.intake.request_start import start_request
-from tinyserve.server.openai_api.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatResponse,
+from tinyserve.server.openai_api.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatCompletionMessage, ChatResponse,
                                         ToolCallDelta, ToolCallOut)
 from tinyserve.server.state import ServerState
 from tinyserve.server.openai_api.tools import ToolCallStream, ToolPlan
@@ -42,7 +42,7 @@ async def create_chat_completion(request: Request) -> Response:
                               _choice(texts, streams), roles,
                               continuous_usage=options is not None and options.continuous_usage_stats)
         return EventStreamResponse(stream, generation, write_timeout=state.config.stream_write_timeout)
-    await run_to_end(generation, request)
+    await collect_while_connected(generation, request)
     response = _response(generation, head, texts, tools)
     scored = generation.choices[0].prompt_logprobs  # one prompt: every choice carries the same
     if body.prompt_logprobs is not None and scored is not None:
@@ -50,7 +50,7 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(response.dump())
 
 
-async def _encode(state: ServerState, body: ChatCompletionRequest, loaded: LoadedModel,
+async def _encode(state: ServerState, body: ChatCompletionRequest, loaded: ServedModel,
                   params: SamplingParams) -> list[list[int]]:
     """The conversation through the model's chat template (tools rendered by it, or as a system prompt
     when it cannot), checked by the engine: 400s name messages, or the client's max_tokens field."""
@@ -93,11 +93,11 @@ def _choice(texts: TokenTexts | None, streams: list[ToolCallStream] | None):
 def _response(generation: Generation, head: dict, texts: TokenTexts | None, tools: ToolPlan | None) -> ChatResponse:
     choices = []
     for index, c in enumerate(generation.choices):
-        message, reason = ChatMessage(content="".join(c.text)), c.finish_reason
+        message, reason = ChatCompletionMessage(content="".join(c.text)), c.finish_reason
         if tools is not None:
             content, calls = tools.parse(message.content)
             if calls:
-                message = ChatMessage(content=content, tool_calls=[ToolCallOut(**call.as_openai()) for call in calls])
+                message = ChatCompletionMessage(content=content, tool_calls=[ToolCallOut(**call.as_openai()) for call in calls])
                 reason = "tool_calls" if reason == "stop" else reason
         choices.append(ChatChoice(index=index, message=message, finish_reason=reason,
                                   logprobs=chat_logprobs(texts, c.logprobs) if texts is not None else None))

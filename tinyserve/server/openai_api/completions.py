@@ -10,10 +10,10 @@ import functools
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.server.intake.generation import EventStreamResponse, Generation, event_stream, run_to_end
+from tinyserve.server.intake.generation import EventStreamResponse, Generation, event_stream, collect_while_connected
 from tinyserve.server.intake.request_checks import body_reader, encode_prompt, require_api_key, server_state, validate_prompt
 from tinyserve.server.openai_api.logprobs import TokenTexts, completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
-from tinyserve.server.registry.model_slot import LoadedModel
+from tinyserve.server.registry.model_slot import ServedModel
 from tinyserve.server.openai_api.protocol import CompletionRequest
 from tinyserve.server.intake.request_start import start_request
 from tinyserve.server.openai_api.responses import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
@@ -38,11 +38,11 @@ async def create_completion(request: Request) -> Response:
         stream = event_stream(generation, chunk, options is not None and options.include_usage, choice,
                               continuous_usage=options is not None and options.continuous_usage_stats)
         return EventStreamResponse(stream, generation, write_timeout=state.config.stream_write_timeout)
-    await run_to_end(generation, request)
+    await collect_while_connected(generation, request)
     return JSONResponse(_response(generation, head, texts, body, echo).dump())
 
 
-async def encode_completion(body: CompletionRequest, loaded: LoadedModel, params: SamplingParams) -> list[list[int]]:
+async def encode_completion(body: CompletionRequest, loaded: ServedModel, params: SamplingParams) -> list[list[int]]:
     """Each prompt's ids (text tokenized, ids as sent), checked by the engine: 400s name the prompt. The
     gRPC API's too (server/grpc_api/grpc_service.py)."""
     prompts = [p if isinstance(p, list) else await encode_prompt(loaded, p) for p in body.prompt]

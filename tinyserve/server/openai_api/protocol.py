@@ -13,17 +13,18 @@ Decisions (the malformed-input tests assert them):
 - Sampling fields a body leaves out (absent or null) get the server's defaults (`with_defaults`).
 - Ranges are checked by SamplingParams (one source of truth) and reported as 400 with `param` set.
 - Sizes are capped before any per-item work: prompts per completion and messages per chat come from the
-  server's config, passed as the validation context (`limits_context`), and are checked before pydantic
-  validates the items; priority, cache_salt and /detokenize's tokens have fixed caps here.
+  server's RequestLimits (tinyserve/request_limits.py), passed as the validation context (`limits_context`),
+  and are checked before pydantic validates the items; so are priority, timeout, cache_salt and
+  /detokenize's tokens. A body keeps its limits (`limits`) for the sampling caps of `sampling_params`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tinyserve.config import SamplingDefaults, ServerConfig
@@ -31,20 +32,16 @@ from tinyserve.server.openai_api.constraints import ResponseFormat, StructuredOu
 from tinyserve.server.errors import BadRequest
 from tinyserve.server.intake.router_fields import RouterChatFields, RouterFields
 from tinyserve.server.openai_api.tools import NamedToolChoice, ToolCall, ToolDefinition, ToolPlan
-from tinyserve.types import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, InvalidRequest, SamplingParams,
-                             StructuredOutput)
+from tinyserve.request_limits import RequestLimits
+from tinyserve.types import InvalidRequest, SamplingParams, StructuredOutput
 
-MAX_PRIORITY = 1000  # client priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]; the server's own probes run below
-MAX_CACHE_SALT_CHARS = 256
-MAX_REQUEST_TIMEOUT_S = 24 * 3600.0  # a client's `timeout` (seconds); the server's --request-timeout caps it
-MAX_DETOKENIZE_TOKENS = 1_000_000
+DEFAULT_LIMITS = RequestLimits()
 
 
 def limits_context(config: ServerConfig) -> dict[str, Any]:
     """The validation context that carries the server's request-size caps (and whether unknown fields are
     ignored) to the validators below and to refuse_unknown_fields."""
-    return {"max_prompts": config.max_prompts_per_request, "max_messages": config.max_messages,
-            "allow_unknown_fields": config.allow_unknown_fields}
+    return {"limits": config.limits, "allow_unknown_fields": config.allow_unknown_fields}
 
 
 def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
@@ -73,21 +70,29 @@ def refuse_unknown_fields(body: BaseModel, context: dict[str, Any] | None) -> No
                          "with --allow-unknown-fields ignores such fields)", param=unknown[0], code="unknown_parameter")
 
 
-def entry_caps(model: type[BaseModel], context: dict[str, int] | None) -> dict[str, int]:
+def entry_caps(model: type[BaseModel], context: dict[str, Any] | None) -> dict[str, int]:
     """The most entries each top-level list (or object) field of `model` may hold, for a guard that counts
     them before a large body becomes Python objects (intake.refuse_long_lists). The validators below and
     SamplingParams stay the checks of record; this only makes the refusal cheap."""
-    caps = {"messages": (context or {}).get("max_messages"), "stop": MAX_STOP_STRINGS,
-            "stop_token_ids": MAX_STOP_TOKEN_IDS, "logit_bias": MAX_LOGIT_BIAS}
-    return {name: cap for name, cap in caps.items() if cap is not None and name in model.model_fields}
+    limits = limits_of(context)
+    caps = {"messages": limits.max_messages, "stop": limits.max_stop_strings,
+            "stop_token_ids": limits.max_stop_token_ids, "logit_bias": limits.max_logit_bias}
+    return {name: cap for name, cap in caps.items() if name in model.model_fields}
 
 
-def _limit(info: ValidationInfo, name: str) -> int | None:
-    return (info.context or {}).get(name)
+def limits_of(context: dict[str, Any] | None) -> RequestLimits:
+    """The limits a validation context carries (the defaults without one: a body built in a test)."""
+    return (context or {}).get("limits", DEFAULT_LIMITS)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # kept to be named: refuse_unknown_fields
+    _limits: RequestLimits = PrivateAttr(default=DEFAULT_LIMITS)
+
+    @model_validator(mode="after")
+    def _keep_limits(self, info: ValidationInfo) -> _Strict:
+        self._limits = limits_of(info.context)
+        return self
 
 
 class StreamOptions(_Strict):
@@ -138,23 +143,26 @@ class _SamplingFields(_Strict):
 
     @field_validator("priority")
     @classmethod
-    def _priority(cls, value: int) -> int:
-        if not -MAX_PRIORITY <= value <= MAX_PRIORITY:
-            raise ValueError(f"must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {value}")
+    def _priority(cls, value: int, info: ValidationInfo) -> int:
+        cap = limits_of(info.context).max_priority
+        if not -cap <= value <= cap:
+            raise ValueError(f"must be in [{-cap}, {cap}], got {value}")
         return value
 
     @field_validator("timeout")
     @classmethod
-    def _timeout(cls, value: float | None) -> float | None:
-        if value is not None and not 0 < value <= MAX_REQUEST_TIMEOUT_S:  # NaN fails this too
-            raise ValueError(f"must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {value}")
+    def _timeout(cls, value: float | None, info: ValidationInfo) -> float | None:
+        cap = limits_of(info.context).max_request_timeout
+        if value is not None and not 0 < value <= cap:  # NaN fails this too
+            raise ValueError(f"must be in (0, {cap:g}] seconds, got {value}")
         return value
 
     @field_validator("cache_salt")
     @classmethod
-    def _cache_salt(cls, value: str | None) -> str | None:
-        if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    def _cache_salt(cls, value: str | None, info: ValidationInfo) -> str | None:
+        cap = limits_of(info.context).max_cache_salt_chars
+        if value is not None and not 1 <= len(value) <= cap:
+            raise ValueError(f"must be a non-empty string of at most {cap} characters")
         return value
 
     @field_validator("stop")
@@ -183,8 +191,9 @@ class _SamplingFields(_Strict):
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come whole, in the response
             raise BadRequest("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
-        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:  # before converting every key
-            raise BadRequest(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+        cap = self._limits.max_logit_bias
+        if len(self.logit_bias or ()) > cap:  # before converting every key
+            raise BadRequest(f"logit_bias must have at most {cap} entries, got {len(self.logit_bias)}",
                              param="logit_bias")
         try:
             logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
@@ -204,7 +213,9 @@ class _SamplingFields(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output, structured_output=structured,
         )
         try:
-            return SamplingParams(max_tokens=max_tokens, **fields)
+            params = SamplingParams(max_tokens=max_tokens, **fields)
+            self._limits.check_sampling(params)
+            return params
         except InvalidRequest as exc:  # its message starts with the field's name: the client's spelling
             param = renames.get(exc.param, exc.param)
             message = exc.message.replace(exc.param, param, 1) if exc.param else exc.message
@@ -236,9 +247,9 @@ class CompletionRequest(_SamplingFields, RouterFields):
         def is_ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-        limit = _limit(info, "max_prompts")
+        limit = limits_of(info.context).max_prompts_per_request
         is_batch = isinstance(value, list) and value and isinstance(value[0], (str, list))
-        if limit is not None and is_batch and len(value) > limit:  # before looking at each prompt
+        if is_batch and len(value) > limit:  # before looking at each prompt
             raise ValueError(f"must hold at most {limit} prompts, got {len(value)} (the server's "
                              "--max-prompts-per-request)")
         if isinstance(value, str):
@@ -268,7 +279,7 @@ class CompletionRequest(_SamplingFields, RouterFields):
         return self.sampling_params(self.max_tokens, self.logprobs, {}, structured and structured[0])
 
 
-class ChatMessage(_Strict):
+class ChatMessageParam(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | list[TextPart] | None (assistant only)
     name: str | None = None
@@ -330,8 +341,8 @@ def _json_or_text(text: str) -> Any:
 
 def _at_most_max_messages(value: Any, info: ValidationInfo) -> Any:
     """Runs before the messages are validated one by one: 100,000 of them are refused without that work."""
-    limit = _limit(info, "max_messages")
-    if limit is not None and isinstance(value, list) and len(value) > limit:
+    limit = limits_of(info.context).max_messages
+    if isinstance(value, list) and len(value) > limit:
         raise ValueError(f"must hold at most {limit} messages, got {len(value)} (the server's --max-messages)")
     return value
 
@@ -370,7 +381,7 @@ class _ChatBookkeepingFields(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields, RouterFields, RouterChatFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessageParam]
     max_tokens: int | None = None  # None: up to the model's context
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -432,7 +443,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields, RouterField
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -445,7 +456,15 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+    tokens: list[int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens(cls, value: Any, info: ValidationInfo) -> Any:
+        cap = limits_of(info.context).max_detokenize_tokens
+        if isinstance(value, list) and len(value) > cap:
+            raise ValueError(f"List should have at most {cap} items after validation, not {len(value)}")
+        return value
 
 
 class ModelAdminRequest(_Strict):

@@ -156,7 +156,7 @@ class ToolCallDelta(_Body):
     function: FunctionCallOut
 
 
-class ChatMessage(_Body):
+class ChatCompletionMessage(_Body):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda calls: calls is None)
@@ -164,7 +164,7 @@ class ChatMessage(_Body):
 
 class ChatChoice(_Body):
     index: int
-    message: ChatMessage
+    message: ChatCompletionMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
 

@@ -28,7 +28,7 @@ from tinyserve.engine.loop.step_loop import StepLoop
 from tinyserve.server.errors import APIError, NotFound, ServiceUnavailable
 from tinyserve.server.observability.memory_stats import MemorySnapshot, ModelMemory, memory_snapshot
 from tinyserve.server.observability.metrics import MetricSet
-from tinyserve.server.registry.model_slot import LoadedModel, ModelSlot
+from tinyserve.server.registry.model_slot import ServedModel, ModelSlot
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -128,7 +128,7 @@ class ModelRegistry:
 
     # loading
 
-    async def ensure_loaded(self, slot: ModelSlot, timeout: float | None) -> LoadedModel:
+    async def ensure_loaded(self, slot: ModelSlot, timeout: float | None) -> ServedModel:
         """Load `slot` if it is unloaded (a failed one stays failed until the admin API loads it) and
         wait up to `timeout` for it; then admission as ModelSlot.admit. The request pins the slot while it
         waits: a load that finishes cannot be evicted (`_make_room`) before its waiters are admitted, and

@@ -1,7 +1,7 @@
 """One served model name and its life: unloaded -> loading -> loaded (-> unloaded, or swapped), or failed.
 
 A ModelSlot owns what is per model: its names, its source (file or folder), its metrics series, and the
-LoadedModel now serving it. A LoadedModel is one load of the weights (engine, token texts, defaults);
+ServedModel now serving it. A ServedModel is one load of the weights (engine, token texts, defaults);
 a request keeps the one it was admitted to until it ends, so a swap (`ModelSlot.swap`) is a double
 buffer with delayed release: the new load is built beside the old, one assignment sends new requests to
 it, and the old one is released only after its requests have finished (or, past the drain timeout,
@@ -40,7 +40,7 @@ ENGINE_JOIN_TIMEOUT_S = 5.0  # a hung step is abandoned (daemon thread) after th
 
 
 @dataclass
-class LoadedModel:
+class ServedModel:
     """One load of a model. `num_pending` counts requests admitted to it whose stream is not open yet
     (tokenizing): a drain waits for them too, so none is left to submit to a stopped engine."""
 
@@ -79,13 +79,13 @@ class ModelSlot:
         self.engine_config, self.config, self.metrics = engine_config, config, metrics
         self.step_loop = step_loop  # the registry's, shared by every model (started on first use)
         self.phase: SlotPhase = "unloaded"
-        self.current: LoadedModel | None = None
+        self.current: ServedModel | None = None
         self.error: str | None = None  # why the last load failed, as /v1/models and the admin API say
         self.last_used = time.monotonic()
         self.load_seconds: float | None = None
         self.num_pinned = 0  # requests waiting for this slot's load (ModelRegistry.ensure_loaded): not evictable
         self._engine_factory = engine_factory
-        self._draining: list[LoadedModel] = []  # swapped out, finishing their requests
+        self._draining: list[ServedModel] = []  # swapped out, finishing their requests
         self.admission = (AdaptiveAdmission(config.target_ttft, config.max_queue, metrics.set_admission_limit)
                           if config.admission == "adaptive" else None)
         if self.admission is None and config.max_queue is not None:
@@ -97,7 +97,7 @@ class ModelSlot:
     def engine(self) -> AsyncEngine | None:
         return self.current.engine if self.current is not None else None
 
-    def check_ready(self) -> LoadedModel:
+    def check_ready(self) -> ServedModel:
         if self.phase == "loading":
             raise ServiceUnavailable(f"the model {self.name!r} is still loading", code="loading", retry_after=5)
         if self.phase == "failed":
@@ -110,9 +110,9 @@ class ModelSlot:
             raise ServiceUnavailable("the engine is not running", code="engine_dead", retry_after=None)
         return loaded
 
-    def admit(self, num_samples: int = 1, loaded: LoadedModel | None = None, priority: int | None = None,
-              n: int = 1) -> LoadedModel:
-        """The LoadedModel new work goes to (or `loaded`, the one a request was admitted to before: its
+    def admit(self, num_samples: int = 1, loaded: ServedModel | None = None, priority: int | None = None,
+              n: int = 1) -> ServedModel:
+        """The ServedModel new work goes to (or `loaded`, the one a request was admitted to before: its
         queue is checked again once the request's samples and `priority` are known); 503 when its queue is
         full, 400 when the request alone exceeds it (see ServerState.admit). With adaptive admission, a
         request whose priority is known must also find a seat now, or a running request of a worse priority
@@ -120,7 +120,7 @@ class ModelSlot:
         foretells (docs/PERFORMANCE.md, "Admission under overload"). A request's `n` is capped by max_n (by
         default half the running batch's seats), so that one request cannot take every seat."""
         try:
-            max_n = self.config.max_n or max(1, self.engine_config.scheduler.max_num_seqs // 2)
+            max_n = self.config.limits.max_n or max(1, self.engine_config.scheduler.max_num_seqs // 2)
             if n > max_n:
                 raise BadRequest(f"n: the request asks for {n} samples of each prompt, more than this server "
                                  f"gives one request ({max_n}, --max-n)", param="n", code="too_many_samples")
@@ -256,10 +256,10 @@ class ModelSlot:
         self.metrics.metric_set.unloads.labels(self.name, reason).inc()
         logger.info("model %s: unloaded (%s), %.0f MiB freed", self.name, reason, freed / 2**20)
 
-    async def _build(self, source: str, memory_share_gib: float | None) -> LoadedModel:
+    async def _build(self, source: str, memory_share_gib: float | None) -> ServedModel:
         start = time.perf_counter()
         cache = replace(self.engine_config.cache, memory_share_gib=memory_share_gib)
-        engine_config = replace(self.engine_config, model=source, cache=cache)
+        engine_config = replace(self.engine_config, model=source, cache=cache, limits=self.config.limits)
         engine = await AsyncEngine.launch(self._engine_job(engine_config), stall_timeout=self.config.stall_timeout,
                                           step_loop=self.step_loop())
         try:
@@ -268,7 +268,7 @@ class ModelSlot:
                 await _warm_up(engine)
             engine.step_listeners.append(self.metrics.on_step)
             weights = _weight_bytes_by_format(llm_engine)
-            loaded = LoadedModel(source, engine, TokenTexts(llm_engine.tokenizer), llm_engine.max_model_len,
+            loaded = ServedModel(source, engine, TokenTexts(llm_engine.tokenizer), llm_engine.max_model_len,
                                  llm_engine.sampling_defaults, sum(weights.values()), _kv_bytes(llm_engine))
         except BaseException:
             await asyncio.to_thread(engine.stop, join_timeout=ENGINE_JOIN_TIMEOUT_S)
@@ -290,7 +290,7 @@ class ModelSlot:
         return LLMEngine.build_in_pieces(engine_config)
 
 
-async def drain(loaded: LoadedModel, timeout: float, is_hurried: Callable[[], bool]) -> None:
+async def drain(loaded: ServedModel, timeout: float, is_hurried: Callable[[], bool]) -> None:
     """Wait for the requests of `loaded` up to `timeout` (or until `is_hurried()`); abort what is left
     and give its final outputs ABORT_GRACE_S to reach the clients; past that, end their streams here."""
     engine = loaded.engine
