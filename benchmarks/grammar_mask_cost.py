@@ -12,7 +12,7 @@ import torch, tokenizers
 
 
 def dump_vocabulary():
-    from tinyserve.loader.gguf import open_gguf
+    from tinyserve.loader.gguf.checkpoint import open_gguf
     from tinyserve.loader.model_loader import resolve_model_path
     from tinyserve.loader.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ from tinyserve.engine.execution.model_runner import ModelRunner
 from tinyserve.engine.loop.request import Request
 from tinyserve.engine.execution.stage_runner import StageRunner
 from tinyserve.layers.kv_cache import KVLayout
-from tinyserve.loader.gguf import gguf_model_config, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 from tinyserve.types import SamplingParams
 

@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from tinyserve.layers import cpu_kernels, ops
+from tinyserve.layers.kernels import cpu_kernels
+
+from tinyserve.layers import ops
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
 from tinyserve.layers.weight_format import Bf16Weight
 

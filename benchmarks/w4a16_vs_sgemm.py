@@ -5,7 +5,7 @@
 """
 import torch, time
 from tinyserve.layers.quant import Int4Weight
-from tinyserve.layers import cpu_kernels
+from tinyserve.layers.kernels import cpu_kernels
 N,K=8192,2048
 w=torch.randn(N,K)*0.02
 q,d=Int4Weight.quantize(w)

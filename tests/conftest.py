@@ -7,14 +7,14 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model, resolve_model_path
 
 
 def pytest_sessionstart(session):
     """Build (or load) the C++ kernels before any test runs: a first build takes minutes on a slow
     machine, and inside a test it would run against that test's own deadline (a server's start, say)."""
-    from tinyserve.layers import cpu_kernels
+    from tinyserve.layers.kernels import cpu_kernels
 
     if cpu_kernels.load() is None:
         print("\nC++ CPU kernels unavailable: tests run the torch-op path")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from reliability.conftest import tiny_server
 
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 from tinyserve.loader.tokenizer import Tokenizer
 

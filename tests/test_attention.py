@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from tinyserve.layers import cpu_kernels, ops
+from tinyserve.layers.kernels import cpu_kernels
+
+from tinyserve.layers import ops
 from tinyserve.layers.attention import causal_mask, paged_attention, reference_paged_attention
 from tinyserve.layers.attention_metadata import AttentionMetadata, decode_group_bounds
 from tinyserve.layers.kv_cache import KVCache, write_kv

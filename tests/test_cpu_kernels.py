@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyserve.layers import cpu_kernels, ops
+from tinyserve.layers.kernels import cpu_kernels
+
+from tinyserve.layers import ops
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.ops import torch_rms_norm as rms_norm
 from tinyserve.layers.rotary import RotaryEmbedding

@@ -62,7 +62,7 @@ def cpu_run(gpu_model) -> tuple[list[list[int]], torch.Tensor]:
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(9, 3, 64, 16), (8, 1, 256, 16), (4, 4, 24, 4)])
 def test_kernel_matches_the_reference_on_cuda(dtype, window, heads, kv_heads, head_dim, block):
-    from tinyserve.layers.triton_attention import paged_attention_triton
+    from tinyserve.layers.kernels.triton_attention import paged_attention_triton
 
     seqs = [(150, 1), (3, 1), (0, 1), (0, 70), (40, 33)]
     cache, meta, q, _, _, _ = _build(seqs, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block=block,

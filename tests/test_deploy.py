@@ -249,7 +249,7 @@ def test_the_entrypoint_builds_the_kernels_per_cpu_then_serves_with_the_key_file
                             text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     build, serve = log.read_text().splitlines()
-    match = re.fullmatch(rf"python -m tinyserve.layers.cpu_kernels TORCH_EXTENSIONS_DIR={tmp_path}/cache/"
+    match = re.fullmatch(rf"python -m tinyserve.layers.kernels.cpu_kernels TORCH_EXTENSIONS_DIR={tmp_path}/cache/"
                          r"torch_extensions/cpu-([0-9a-f]{16})", build)
     assert match, build
     assert serve == f"tinyserve serve --host 0.0.0.0 --port 8000 --api-key-file {SECRET} --shutdown-timeout 30"

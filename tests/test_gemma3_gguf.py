@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from test_tokenizer import write_gguf
 
 from tinyserve.engine.greedy_reference import forward_sequence
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
 from tinyserve.loader.model_loader import build_model, load_model, resolve_model_path
 from tinyserve.loader.weights import match_tensors

@@ -14,7 +14,7 @@ import pytest
 from test_tokenizer import corpus
 
 from tinyserve.engine.loop.detokenizer import IncrementalDetokenizer
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 from tinyserve.loader.tokenizer import Tokenizer
 

@@ -19,7 +19,7 @@ from tinyserve.config import (LLAMA_CPP_SAMPLING_DEFAULTS, CacheConfig, EngineCo
 from tinyserve.engine.loop.generation_defaults import resolve_sampling_defaults
 from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import gguf_sampling_fields, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_sampling_fields, open_gguf
 from tinyserve.loader.hf import hf_sampling_fields
 from tinyserve.loader.model_loader import ALIAS_SAMPLING, LoadedModel, load_model, resolve_model_path
 from tinyserve.server.launcher import BackgroundServer

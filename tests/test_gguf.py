@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader import model_loader, weights
 from tinyserve.loader.model_loader import build_model, build_model_in_pieces
 

@@ -1,4 +1,4 @@
-"""A GGUF's Q4_0 / Q4_1 / Q8_0 blocks straight into our group codes (loader/gguf_blocks.py) and a quantized
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 blocks straight into our group codes (loader/gguf/blocks.py) and a quantized
 model loaded through them one Linear at a time (loader/staged_linears.py): the codes stand for exactly the
 file's values (the references follow ggml's block layouts: tests/test_gguf_dequant.py), the kernels compute
 with them, the formats hold the file's bytes, and the file's pages leave the process once read."""
@@ -17,8 +17,8 @@ from tinyserve.layers.linear import Linear
 from tinyserve.layers.quant import Int4Weight, Int8Weight
 from tinyserve.loader import staged_linears
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
-from tinyserve.loader.gguf_blocks import group_codes
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.blocks import group_codes
 from tinyserve.loader.model_loader import build_model
 
 ROWS, COLS = 5, 96  # odd rows, three blocks a row
@@ -47,7 +47,7 @@ def test_group_codes_stand_for_the_file_s_values_exactly(qtype):
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_the_kernels_compute_with_the_file_s_values(qtype):
     """w4a16 / w8a16 at float32 on the converted codes against float64 on the file's values."""
-    from tinyserve.layers.cpu_kernels import w4a16_matmul, w8a16_matmul
+    from tinyserve.layers.kernels.cpu_kernels import w4a16_matmul, w8a16_matmul
 
     blocks = _blocks(qtype, seed=1)
     weight = FORMATS[qtype].from_codes(group_codes("w", qtype, blocks))

@@ -1,6 +1,6 @@
 """GGUF dequantization against values computed here from ggml's block layouts (ggml-common.h, and
 ggml-quants.c's dequantize_row_*): random codes and scales, packed by hand into the blocks of every
-type the loader reads, written to a GGUF file and read back through loader/gguf.py. The loader
+type the loader reads, written to a GGUF file and read back through loader/gguf/checkpoint.py. The loader
 dequantizes with gguf-py, so these references follow the layouts, never that library.
 
 Our int kernels do not read GGUF blocks: they quantize the loaded float32 weights again in their own
@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tinyserve.layers.quant import Int4Weight, Int8Weight
-from tinyserve.loader.gguf import gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_tensors, open_gguf
 
 ROWS, COLS = 3, 512  # not square, two 256-value super-blocks per row: a transposed or flat read shows
 TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]

@@ -1,4 +1,4 @@
-"""loader/gguf_file.py: our GGUF header reader against the `gguf` library's GGUFReader (the oracle) on the
+"""loader/gguf/file_format.py: our GGUF header reader against the `gguf` library's GGUFReader (the oracle) on the
 default model's file and on a hand-made file with every value type; forged headers fail fast."""
 
 import struct
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import open_gguf
-from tinyserve.loader.gguf_file import GGUFFile
+from tinyserve.loader.gguf.checkpoint import open_gguf
+from tinyserve.loader.gguf.file_format import GGUFFile
 
 
 def _library_view(path) -> tuple[dict, list]:

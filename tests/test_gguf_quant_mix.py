@@ -16,7 +16,7 @@ from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 from tinyserve.loader.weights import match_tensors
 
@@ -108,7 +108,7 @@ def test_int8_mode_keeps_q8_0_and_puts_the_rest_in_int8_per_row(mixed_path):
         name: Int8Weight if name in q8_0 else Int8ChannelWeight for name in INT4_MIX_FORMATS}
 
 
-# the tensor types a format takes code for code (loader/gguf_blocks.py); any other is quantized by its rule
+# the tensor types a format takes code for code (loader/gguf/blocks.py); any other is quantized by its rule
 TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}}
 
 
@@ -140,7 +140,7 @@ def test_mixed_model_computes_its_mixed_quantized_values(mixed_path, quantizatio
 def test_a_file_counts_as_quantized_only_when_every_block_matrix_is(tmp_path, mixed_path, tiny_llama):
     """--quantization auto's test of a GGUF: all of its blocks' matrices in quantized types (the head and
     embedding may be anything); one F16 matrix (the mix's layer 1 down) or a float file: not quantized."""
-    from tinyserve.loader.gguf import gguf_linears_quantized
+    from tinyserve.loader.gguf.checkpoint import gguf_linears_quantized
 
     quantized = {**MIX, "blk.1.ffn_down.weight": Q.Q8_0, "token_embd.weight": Q.F16}
     assert gguf_linears_quantized(open_gguf(_write(tmp_path / "q.gguf", tiny_llama, types=quantized)))

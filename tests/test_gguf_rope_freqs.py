@@ -13,7 +13,7 @@ from test_gguf import _load, _write
 
 from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 
 transformers = pytest.importorskip("transformers")
 

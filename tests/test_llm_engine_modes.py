@@ -25,7 +25,7 @@ import transformers as tf
 
 from tinyserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from tinyserve.engine.loop.llm_engine import LLMEngine
-from tinyserve.layers import cpu_kernels
+from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers.linear import pack_linear_weights
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_tensors
 from tinyserve.loader.model_loader import LoadedModel, build_model

@@ -13,7 +13,7 @@ from tinyserve.engine.memory.sizing import (describe_weight_bytes, fit_max_model
 from tinyserve.layers.kv_cache import KVLayout
 from tinyserve.layers.linear import Linear, quantize_linear_weights
 from tinyserve.layers.rotary import RotaryEmbedding
-from tinyserve.loader.gguf import gguf_model_config, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, open_gguf
 from tinyserve.loader.model_loader import resolve_model_path
 
 

@@ -375,7 +375,7 @@ def test_hf_ignored_drops_lm_head_only_when_tied():
 def test_smollm2_gguf_and_its_hf_export_agree(tmp_path):
     """The default GGUF, dequantized and saved as a Hugging Face folder by transformers, must load to the
     same model as the GGUF itself (both paths undo llama.cpp's Q/K permutation)."""
-    from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+    from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
     from tinyserve.loader.model_loader import resolve_model_path
 
     gguf_path = resolve_model_path("smollm2-135m")

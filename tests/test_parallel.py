@@ -16,7 +16,7 @@ from test_llama import PROMPTS
 from tinyserve import LLM
 from tinyserve.config import ModelConfig
 from tinyserve.engine.memory.sizing import held_weight_bytes
-from tinyserve.loader.gguf import gguf_model_config, gguf_tensors, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 from tinyserve.parallel.dispatch import split_layers
 from tinyserve.parallel.group import TensorParallelGroup

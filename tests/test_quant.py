@@ -28,7 +28,7 @@ from tinyserve.layers.quant import (
     int4_codes,
 )
 from tinyserve.layers.weight_format import Bf16Weight
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this CPU's oneDNN has no bfloat16 kernels")

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tinyserve.loader.gguf import gguf_model_config, open_gguf
+from tinyserve.loader.gguf.checkpoint import gguf_model_config, open_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("real_size_gguf", ROOT / "benchmarks" / "real_size_gguf.py")

@@ -17,7 +17,7 @@ from tinyserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tinyserve.engine.loop.async_engine import AsyncEngine, EngineDeadError
 from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.engine.loop.step_loop import StepLoop
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 from tinyserve.loader.model_loader import LoadedModel, resolve_model_path
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.models.llama import LlamaForCausalLM

@@ -15,7 +15,7 @@ import pytest
 import tokenizers
 from tokenizers import pre_tokenizers
 
-from tinyserve.loader.gguf import open_gguf
+from tinyserve.loader.gguf.checkpoint import open_gguf
 from tinyserve.loader.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

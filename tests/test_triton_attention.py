@@ -1,4 +1,4 @@
-"""The GPU's paged attention kernel (layers/triton_attention.py) against the reference attention, on CPU in
+"""The GPU's paged attention kernel (layers/kernels/triton_attention.py) against the reference attention, on CPU in
 Triton's interpreter: decodes, prefill chunks with and without a cached prefix, GQA groups that are not a
 power of two, a head size that is not, block sizes below and above the kernel's key tile, sliding windows,
 float32 and bfloat16. On a GPU, tests/test_cuda.py runs the same cases compiled."""
@@ -20,7 +20,7 @@ from tinyserve.engine.execution import stage_runner  # noqa: E402
 
 from tinyserve.layers import ops  # noqa: E402
 from tinyserve.layers.attention import paged_attention, reference_paged_attention  # noqa: E402
-from tinyserve.layers.triton_attention import paged_attention_triton, triton_available  # noqa: E402
+from tinyserve.layers.kernels.triton_attention import paged_attention_triton, triton_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not triton_available(torch.device("cpu")),
                                 reason="TRITON_INTERPRET was set to something other than 1 before this test")

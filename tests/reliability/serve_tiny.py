@@ -16,7 +16,7 @@ from reliability.conftest import TINY_ENGINE, tiny_loaded_model  # noqa: E402
 
 from tinyserve.config import ServerConfig  # noqa: E402
 from tinyserve.engine.loop.llm_engine import LLMEngine  # noqa: E402
-from tinyserve.loader.gguf import open_gguf  # noqa: E402
+from tinyserve.loader.gguf.checkpoint import open_gguf  # noqa: E402
 from tinyserve.loader.model_loader import resolve_model_path  # noqa: E402
 from tinyserve.loader.tokenizer import Tokenizer  # noqa: E402
 from tinyserve.server.launcher import serve  # noqa: E402

@@ -40,7 +40,7 @@ class SampleRequest:
 def load_tokenizer(name: str) -> Tokenizer:
     """An alias, a .gguf file or a Hugging Face folder -> its tokenizer (no weights are loaded). Cached: a
     Tokenizer is immutable, and reading a GGUF vocabulary takes seconds."""
-    from tinyserve.loader.gguf import open_gguf
+    from tinyserve.loader.gguf.checkpoint import open_gguf
     from tinyserve.loader.model_loader import resolve_model_path
 
     path = resolve_model_path(name)

@@ -3,7 +3,7 @@ sequence owns a block table.
 
 Tokens of many sequences arrive flattened in one step (no padding between sequences), decodes first (one
 query token each, longest context first), then prefill chunks (many query tokens each). On CUDA the whole
-step is one call of our Triton kernel per layer (layers/triton_attention.py). Elsewhere decodes are
+step is one call of our Triton kernel per layer (layers/kernels/triton_attention.py). Elsewhere decodes are
 attended as the step's plan says (layers/attention_metadata.py): in one call of our C++ kernel, or in a
 few batched torch calls over groups of similar length; prefill chunks one sequence at a time through
 SDPA, each with its causal mask offset by the tokens already in the cache.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyserve.layers import cpu_kernels
+from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers import kv_cache
 from tinyserve.layers.kv_cache import KVCache
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
@@ -42,12 +42,12 @@ def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: in
 
 
 def paged_kernel_applies(device: torch.device) -> bool:
-    """Whether attention runs in our Triton kernel (layers/triton_attention.py) for every step shape: on CUDA
+    """Whether attention runs in our Triton kernel (layers/kernels/triton_attention.py) for every step shape: on CUDA
     with Triton installed. Asked once, by the model runner; the module is imported only then, so that a
     test can set TRITON_INTERPRET before its first import."""
     if device.type != "cuda":
         return False
-    from tinyserve.layers import triton_attention
+    from tinyserve.layers.kernels import triton_attention
 
     return triton_attention.triton_available(device)
 
@@ -56,7 +56,7 @@ def paged_attention_kernel(q: torch.Tensor, cache: KVCache, block_tables: torch.
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                            window: int | None) -> torch.Tensor:
     """Attention of every sequence of the step over the pool, in place (where paged_kernel_applies)."""
-    from tinyserve.layers.triton_attention import paged_attention_triton
+    from tinyserve.layers.kernels.triton_attention import paged_attention_triton
 
     return paged_attention_triton(q, cache.key, cache.value, block_tables, seq_lens, query_start_loc, max_query_len,
                                   scale, window)

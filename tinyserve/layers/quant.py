@@ -53,7 +53,7 @@ def _grouped(weight: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class GroupCodes:
     """A matrix's codes per group of 32 inputs, before the kernels' interleaving: the formats' common form,
-    which a file's Q4_0 / Q4_1 / Q8_0 blocks convert to without any float (loader/gguf_blocks.py) and
+    which a file's Q4_0 / Q4_1 / Q8_0 blocks convert to without any float (loader/gguf/blocks.py) and
     float weights quantize to (int4_group_codes, int8_group_codes), a block of rows at a time.
 
     4 bits (Q4_1's rule): w = code * scale + minimum, code 0..15. 8 bits (Q8_0's): w = (code - 128) * scale,

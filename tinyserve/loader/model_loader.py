@@ -34,7 +34,7 @@ from tinyserve.layers.linear import (
 from tinyserve.layers.quant import check_quantization
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.file_reads import FileReads
-from tinyserve.loader.gguf import (gguf_linears_quantized, gguf_model_config, gguf_sampling_fields, gguf_tensors,
+from tinyserve.loader.gguf.checkpoint import (gguf_linears_quantized, gguf_model_config, gguf_sampling_fields, gguf_tensors,
                                   open_gguf)
 from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields, hf_tensors
 from tinyserve.loader.model_files import is_model_source, not_a_model

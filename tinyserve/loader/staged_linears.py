@@ -5,7 +5,7 @@ module, whose lookups then read the head's codes (layers/embedding.py). No float
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
-int8: loader/gguf_blocks.py) is copied code for code. Any other (a K-quant, a float tensor, a tensor-parallel
+int8: loader/gguf/blocks.py) is copied code for code. Any other (a K-quant, a float tensor, a tensor-parallel
 rank's columns) is read as float32 rows and quantized by its format's rule (layers/quant.py), which is the
 same for a block of rows as for the whole matrix: each group of 32 inputs is one row's.
 Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.

@@ -1,7 +1,7 @@
 """Text <-> token ids, and chat templates, for a GGUF file or a Hugging Face checkpoint folder.
 
 The HF `tokenizers` library runs the BPE; a folder's tokenizer.json is read as is, and a GGUF's vocabulary is
-assembled by loader/gguf_tokenizer.py. Chat templates are Jinja, rendered in a sandbox the way transformers
+assembled by loader/gguf/tokenizer.py. Chat templates are Jinja, rendered in a sandbox the way transformers
 renders them, so prompts match token for token.
 """
 
@@ -26,8 +26,8 @@ from tokenizers import processors
 from tokenizers.models import BPE
 
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf_file import GGUFFile
-from tinyserve.loader.gguf_tokenizer import gpt2_byte_alphabet, read_gguf_tokenizer
+from tinyserve.loader.gguf.file_format import GGUFFile
+from tinyserve.loader.gguf.tokenizer import gpt2_byte_alphabet, read_gguf_tokenizer
 
 # Texts longer than this (characters) are encoded through encode_batch, and token lists longer than this
 # decoded through decode_batch: those release the GIL, while encode / decode hold it for the whole call and

@@ -51,7 +51,7 @@ class TensorSource:
     (dequantizing, reordering), the CPU work, which stays on the step thread with the model's other pieces.
     Without them, `read` and `read_rows` run whole on the I/O thread.
     `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
-    (a GGUF's Q4_0, Q4_1, Q8_0: loader/gguf_blocks.py): decode_codes(fetched, rows) -> GroupCodes of those
+    (a GGUF's Q4_0, Q4_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes of those
     bits. `release`: drops the file's pages of the tensor from the process once it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]

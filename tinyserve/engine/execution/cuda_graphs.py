@@ -7,7 +7,7 @@ fixed addresses and shapes, so its inputs live in static buffers sized to the la
 values are written into a pinned host mirror, copied over in one H2D copy, and the step is padded up to
 the bucket. A padded row is a one-token sequence at position 0 whose K/V slot and block table point at
 a scratch block the pool holds past the BlockManager's blocks, so padding never writes or reads a real
-sequence's KV. Attention is the Triton kernel (layers/triton_attention.py), which reads lengths and
+sequence's KV. Attention is the Triton kernel (layers/kernels/triton_attention.py), which reads lengths and
 tables from the device and so replays correctly for any contents.
 
 Only decode-only steps of one process replay (prefill chunks and tensor / pipeline parallel run eagerly),

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.loader.gguf_file import GGUFFile
+from tinyserve.loader.gguf.file_format import GGUFFile
 
 # llama.cpp's token types (gguf.TokenType) that matter here; the others are UNKNOWN=2, UNUSED=5, BYTE=6
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4

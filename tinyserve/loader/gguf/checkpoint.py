@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format), read by loader/gguf_file.py and dequantized by the `gguf` library:
+"""GGUF files (llama.cpp's format), read by loader/gguf/file_format.py and dequantized by the `gguf` library:
 hyper-parameters from the metadata (and from the rope_freqs tensor: Llama 3.x's rotary scaling), tensors
 dequantized to float32 one at a time (a large one by blocks of rows), renamed to Hugging Face's names, and
 llama.cpp's converter's changes undone: its Q/K row permutation (Llama, Mistral), so that the rotary layout
@@ -19,8 +19,8 @@ import torch
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.layers.quant import GroupCodes
-from tinyserve.loader.gguf_blocks import CODE_BITS, group_codes
-from tinyserve.loader.gguf_file import GGUFFile, GGUFTensor
+from tinyserve.loader.gguf.blocks import CODE_BITS, group_codes
+from tinyserve.loader.gguf.file_format import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import NamedTensor, TensorSource
 

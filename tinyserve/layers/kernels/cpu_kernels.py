@@ -14,7 +14,7 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
   token's head rounded with its scale into an 8-bit one (~10 ops a tensor in torch).
 
 They are built for float32 and bfloat16 on CPU (KERNEL_DTYPES), by `make setup` (`python -m
-tinyserve.layers.cpu_kernels`), else by the first process that needs them: g++ and ninja compile every
+tinyserve.layers.kernels.cpu_kernels`), else by the first process that needs them: g++ and ninja compile every
 source, and later processes load the cached library from ~/.cache/torch_extensions (or
 $TORCH_EXTENSIONS_DIR). The build is named by a hash of the sources, flags and torch install, and
 compiles copies of the sources kept beside it, so checkouts with the same kernels and environment share one

@@ -1,0 +1,1 @@
+"""GGUF files (llama.cpp's format): the file's header and tensor table, the checkpoint read from it (hyper-parameters, tensors, llama.cpp's converter's changes undone), its quantized blocks as our group codes, and its tokenizer."""
