@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tinyserve.cli import _set_threads, main
+from tinyserve.cli import _set_threads, main, parse_args, server_config_from_args
+from tinyserve.cli_engine import engine_config_from_args
 
 
 def test_threads_sets_torchs_pool_and_refuses_nonsense(capsys):
@@ -97,3 +98,32 @@ def test_a_server_whose_model_does_not_fit_exits_naming_the_numbers_and_the_flag
     assert "KV pool 102400000 MiB" in line and "MiB (the memory available to this process" in line
     for flag in ("--kv-cache-memory", "--max-model-len", "--max-num-seqs", "--quantization", "--memory-budget"):
         assert flag in line
+
+
+def test_a_config_file_sets_flags_under_the_command_line(tmp_path):
+    """serve --config FILE (YAML): the command line over the file over the defaults, as vLLM's."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 8\nmax_queue: none\nport: 9001\nmax-stop-strings: 20\n"
+                      "no-warmup: true\nkv-cache-dtype: int8\nrequest-timeout: 30\n")
+    args = parse_args(["serve", "--config", str(config), "--port", "9002"])
+    server, engine = server_config_from_args(args), engine_config_from_args(args)
+    assert (server.port, server.max_queue, server.warmup, server.request_timeout) == (9002, None, False, 30)
+    assert server.limits.max_stop_strings == 20 and engine.scheduler.max_num_seqs == 8
+    assert engine.cache.kv_cache_dtype == "int8"
+    defaults = parse_args(["serve"])  # a later parse without the file is untouched by it
+    assert (defaults.port, defaults.max_num_seqs, defaults.no_warmup) == (8000, 64, False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max-num-seq: 8\n", "unknown key 'max-num-seq' (not a flag of `tinyserve serve`)"),
+    ("config: other.yaml\n", "unknown key 'config'"),
+    ("no-warmup: 1\n", "no-warmup must be true or false, got 1"),
+    ("kv-cache-dtype: int3\n", "kv-cache-dtype must be one of"),
+    ("- max-num-seqs\n", "expected a mapping of flags to values"),
+    ("max-num-seqs: [\n", "config file"),
+])
+def test_a_bad_config_file_is_one_clear_error(tmp_path, capsys, text, message):
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    assert main(["serve", "--config", str(config)]) == 1  # before any model is loaded
+    assert message in capsys.readouterr().err

@@ -185,6 +185,9 @@ def _add_serve_parser(sub) -> None:
                            description="Exit codes: 0 after SIGTERM / SIGINT and a drain (also while the model "
                            "is still loading), 1 if the model or a setting is bad, 3 if the port cannot be "
                            "bound, 128+N when a second signal N cut the drain short.")
+    serve.add_argument("--config", default=None, metavar="FILE",
+                       help="a YAML file of flags (`max-num-seqs: 32`, as vLLM's --config): the command line "
+                            "wins over the file, the file over the defaults; an unknown key is an error")
     g = serve.add_argument_group("server")
     g.add_argument("--host", default=ServerConfig.host, help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=ServerConfig.port)
@@ -275,8 +278,51 @@ def _set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
+    """The flags a YAML config file sets, as `parser` defaults: {dest: value}. Keys are flag names without
+    the dashes (`max-num-seqs` or `max_num_seqs`); a string value is parsed as the command line would parse
+    it. Raises ValueError naming the file and the key that is not a flag, or the value that does not fit."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"config file {path!r}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r}: expected a mapping of flags to values")
+    actions = parser._option_string_actions  # argparse keeps its flags here; no public accessor exists
+    defaults = {}
+    for key, value in values.items():
+        action = actions.get("--" + str(key).replace("_", "-"))
+        if action is None or action.dest in ("config", "help"):
+            raise ValueError(f"config file {path!r}: unknown key {key!r} (not a flag of `tinyserve {parser.prog.split()[-1]}`)")
+        if isinstance(value, str) and action.type is not None:
+            value = action.type(value)
+        elif action.nargs == 0 and not isinstance(value, bool):  # --no-warmup and other switches
+            raise ValueError(f"config file {path!r}: {key} must be true or false, got {value!r}")
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"config file {path!r}: {key} must be one of {list(action.choices)}, got {value!r}")
+        defaults[action.dest] = value
+    return defaults
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, over `serve --config FILE`'s values, over the defaults."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        subparser = parser._subparsers._group_actions[0].choices[args.command]
+        subparser.set_defaults(**config_file_defaults(subparser, args.config))
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"tinyserve: error: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tinyserve.loader.errors import ModelLoadError
 
