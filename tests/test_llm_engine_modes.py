@@ -14,7 +14,7 @@ the oracle's two candidates are within that tolerance (a near tie); after it the
 different tokens and are compared no further.
 
 bfloat16 and int4 run on every CPU at this size: without AVX512-BF16 / VNNI our kernels take their
-portable loops (conftest's smollm2_bf16 skips only whole runs of the default model, for their time)."""
+AVX2 or portable loops (conftest's smollm2_bf16 skips only whole runs of the default model, for their time)."""
 
 import random
 from functools import partial

@@ -131,6 +131,20 @@ def test_w4a16_gives_a_token_the_same_bits_in_any_step_shape():
     assert torch.equal(torch.cat([_w4a16(x[a : a + 19], weight) for a in range(0, 64, 19)]), whole)
 
 
+@needs_kernels
+@pytest.mark.parametrize("fmt", [Int4Weight, Int8Weight, Int8ChannelWeight])
+def test_int_kernels_give_a_token_the_same_bits_in_any_step_shape(fmt):
+    """As test_w4a16_gives_a_token_the_same_bits_in_any_step_shape, for the kernels that round the inputs
+    to int8: every token count from 1 to 64 (the kernels take tokens 8, 4 or 3 at a time), rows not a
+    multiple of a block's 16."""
+    torch.manual_seed(4)
+    weight = fmt.quantize(torch.randn(200, 256) * 0.05)[0]
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    whole = ops.linear(x, weight)
+    for size in range(1, 65):
+        assert torch.equal(torch.cat([ops.linear(x[a : a + size], weight) for a in range(0, 64, size)]), whole), size
+
+
 def _channel_formula(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What csrc/int8_channel_matmul.cpp computes, in float64: per output row a scale max|w| / 127 and codes
     round(w / scale); inputs rounded to int8 per span of 32 (the last one shorter) with scale max|x| / 127;

@@ -180,7 +180,41 @@ void tile(const uint8_t* codes, const float* row_scales, const TokenCodes& in, i
   }
 }
 
-#else  // portable: the same sums one by one, for CPUs without AVX512-VNNI
+#elif defined(__AVX2__)
+
+// AVX2 without VNNI (llama.cpp's recipe there, see tinyserve::SignedCodes): each 64-byte piece as two
+// 32-byte halves, rows 0-7 and 8-15, one int32 lane per row, a block's half at a time (16 registers). The
+// dots come out signed, so the tokens' offsets (the +128 of the codes) are not subtracted.
+template <int R, int T>
+void tile(const uint8_t* codes, const float* row_scales, const TokenCodes& in, int64_t b0, int64_t t0, int64_t n,
+          c10::BFloat16* out) {
+  const int64_t quads = in.k4 / 4, block_bytes = in.k4 * kRows;
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of block b0 + r
+      const uint8_t* w = codes + (b0 + r) * block_bytes + 32 * h;
+      __m256 sums[T];
+      for (int t = 0; t < T; ++t) sums[t] = _mm256_setzero_ps();
+      for (int64_t s = 0, q0 = 0; q0 < quads; ++s, q0 += kSpan / 4) {
+        __m256i acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_si256();
+        for (int64_t q = q0; q < std::min(quads, q0 + kSpan / 4); ++q) {
+          const tinyserve::SignedCodes piece(w + q * 64);
+          for (int t = 0; t < T; ++t) acc[t] = piece.dot(acc[t], in.four(t0 + t)[q]);
+        }
+        for (int t = 0; t < T; ++t)
+          sums[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_set1_ps(in.scales[(t0 + t) * in.spans + s]), sums[t]);
+      }
+      const int64_t row0 = (b0 + r) * kRows + 8 * h;
+      const __m256 scale = _mm256_loadu_ps(row_scales + row0);
+      for (int t = 0; t < T; ++t) {
+        alignas(32) float values[8];
+        _mm256_store_ps(values, _mm256_mul_ps(sums[t], scale));
+        for (int64_t l = 0; l < std::min<int64_t>(8, n - row0); ++l) out[(t0 + t) * n + row0 + l].x = to_bf16_bits(values[l]);
+      }
+    }
+}
+
+#else  // portable: the same sums one by one, for CPUs without AVX2
 
 template <int R, int T>
 void tile(const uint8_t* codes, const float* row_scales, const TokenCodes& in, int64_t b0, int64_t t0, int64_t n,

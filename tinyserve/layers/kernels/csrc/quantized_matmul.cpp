@@ -6,7 +6,8 @@
 // as fast as the weights can be decoded and streamed; torch's int4 and int8 CPU kernels streamed them
 // far slower (docs/PERFORMANCE.md, "Speed modes"). Two choices, both llama.cpp's on x86:
 // - each group of 32 inputs is rounded to int8 with one float scale (per step, cheap: a few rows), so
-//   that codes times inputs are integer dot instructions (AVX512-VNNI) with exact int32 sums;
+//   that codes times inputs are integer dot instructions (AVX512-VNNI; on AVX2, maddubs and madd) with
+//   exact int32 sums;
 // - the weights are interleaved by 16 output rows, one row per vector lane: a lane sums its own row,
 //   and no horizontal sum is left at the end of a row.
 //
@@ -25,7 +26,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -77,6 +80,29 @@ struct QuantizedInputs {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(values.data() + tg * kGroup + 16), _mm512_cvtepi32_epi8(qb));
     sums[tg] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     value_sums[tg] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#elif defined(__AVX2__)
+    __m256 v[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {  // 8 bfloat16 each: a float's upper half
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 8 * i));
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+      total = _mm256_add_ps(total, v[i]);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    const float amax = *std::max_element(lanes, lanes + 8);
+    const float inverse = amax > 0.f ? exact_divide(127.f, amax) : 0.f;
+    __m256i q[4];  // one rounding of x * inverse, to nearest even (the default mode), as nearbyint below
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
+    // the packs work per 128-bit lane: the permute puts the 4-byte pieces back in input order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values.data() + tg * kGroup),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    _mm256_store_ps(lanes, total);
+    sums[tg] = std::accumulate(lanes, lanes + 8, 0.f);
+    alignas(32) int32_t ints[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ints), _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    value_sums[tg] = std::accumulate(ints, ints + 8, 0);
 #else
     float amax = 0.f, sum = 0.f;
     for (int i = 0; i < kGroup; ++i) {
@@ -147,7 +173,61 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
 }
 
-#else  // portable: the same sums one by one, for CPUs without AVX512-VNNI
+#elif defined(__AVX2__)
+
+// AVX2 without VNNI (llama.cpp's recipe there, see tinyserve::SignedCodes): each 64-byte chunk as two
+// 32-byte halves, rows 0-7 and 8-15, one int32 lane per row. int4: codes 0..15 times inputs -127..127 make
+// at most 2 * 15 * 127 = 3810 per maddubs pair, so a group's 8 maddubs (16 products per int16) sum to at
+// most 30480 < 32767: added in int16, one madd per group.
+template <int Bits, int T>
+void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const QuantizedInputs& in,
+           int64_t t0, float* out) {
+  if constexpr (T > 4) {  // 16 registers hold 4 tokens' accumulators; a token's sums do not depend on the others
+    block<Bits, 4>(codes, scales, minimums, in, t0, out);
+    block<Bits, T - 4>(codes, scales, minimums, in, t0 + 4, out + 4 * kRows);
+  } else {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+      __m256 acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < in.groups; ++g) {
+        const uint8_t* group = codes + g * group_bytes<Bits>() + 32 * h;
+        __m256i dot[T];
+        for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
+        if constexpr (Bits == 4) {
+          for (int c = 0; c < 4; ++c) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + c * 64));
+            const __m256i low = _mm256_and_si256(bytes, low_nibbles);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+            for (int t = 0; t < T; ++t) {  // int16 pair sums of each row's codes times the same inputs
+              const __m256i lows = _mm256_maddubs_epi16(low, _mm256_set1_epi32(*in.four(t0 + t, g, 8 * c)));
+              const __m256i highs = _mm256_maddubs_epi16(high, _mm256_set1_epi32(*in.four(t0 + t, g, 8 * c + 4)));
+              dot[t] = _mm256_add_epi16(dot[t], _mm256_add_epi16(lows, highs));
+            }
+          }
+          for (int t = 0; t < T; ++t) dot[t] = _mm256_madd_epi16(dot[t], ones);
+        } else {
+          for (int c = 0; c < 8; ++c) {
+            const tinyserve::SignedCodes chunk(group + c * 64);
+            for (int t = 0; t < T; ++t) dot[t] = chunk.dot(dot[t], *in.four(t0 + t, g, 4 * c));
+          }
+        }
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kRows + 8 * h)));
+        for (int t = 0; t < T; ++t) {  // the same float steps as the AVX512 path
+          const int64_t tg = (t0 + t) * in.groups + g;
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(scale, _mm256_set1_ps(in.scales[tg])), acc[t]);
+          if constexpr (Bits == 4) {
+            const auto* minimum = reinterpret_cast<const __m128i*>(minimums + g * kRows + 8 * h);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(minimum)), _mm256_set1_ps(in.sums[tg]), acc[t]);
+          }
+        }
+      }
+      for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + t * kRows + 8 * h, acc[t]);
+    }
+  }
+}
+
+#else  // portable: the same sums one by one, for CPUs without AVX2
 
 template <int Bits, int T>
 void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const QuantizedInputs& in,

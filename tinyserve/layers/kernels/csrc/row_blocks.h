@@ -6,6 +6,8 @@
 
 #include "float_types.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -58,5 +60,25 @@ void for_row_blocks(int64_t n, int64_t tokens, Out* out, Pass&& pass) {
     }
   });
 }
+
+#if defined(__AVX2__)
+// Integer dots on AVX2, which has no byte dot into int32 (AVX512-VNNI's vpdpbusd); llama.cpp's recipe:
+// _mm256_maddubs_epi16 multiplies unsigned by signed bytes and adds pairs into int16 (saturating), then
+// _mm256_madd_epi16 with ones adds those pairs into int32. Int8 codes are stored plus 128, and
+// (code + 128) * input pairs would saturate (255 * 127 * 2 > 32767), so the signed code s goes in as
+// |s| (0..128, read unsigned) times the input with s's sign (inputs are -127..127, never -128, so the
+// flip is safe): at most 128 * 127 * 2 = 32512, and the dot comes out signed (no 128 * sum to subtract).
+struct SignedCodes {  // 32 int8 codes stored plus 128: 4 per int32 lane (one output row per lane)
+  __m256i codes, magnitudes;
+  explicit SignedCodes(const uint8_t* p)
+      : codes(_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(char(0x80)))),
+        magnitudes(_mm256_abs_epi8(codes)) {}
+  // acc + each lane's 4 codes times the same 4 inputs (one int32), exact
+  __m256i dot(__m256i acc, int32_t four_inputs) const {
+    const __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(four_inputs), codes));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+};
+#endif
 
 }  // namespace tinyserve
