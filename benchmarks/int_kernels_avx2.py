@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tinyserve.layers import cpu_kernels
+from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
 
 

@@ -1,4 +1,4 @@
-// The Python module of our CPU kernels: tinyserve/layers/cpu_kernels.py builds and loads it.
+// The Python module of our CPU kernels: tinyserve/layers/kernels/cpu_kernels.py builds and loads it.
 
 #include <torch/extension.h>
 
