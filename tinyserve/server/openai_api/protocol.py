@@ -178,7 +178,20 @@ class _SamplingFields(_Strict):
 
     def structured_output(self) -> tuple[StructuredOutput, str] | None:
         """The structured output asked for, and the field that asked (the param of its compile errors)."""
-        return structured_output_of(self)
+        return self._within_limits(structured_output_of(self))
+
+    def _within_limits(self, found: tuple[StructuredOutput, str] | None) -> tuple[StructuredOutput, str] | None:
+        """A 400 naming the field whose grammar text is over --max-structured-output-chars, before it is
+        compiled (a forced tool call's grammar, built from every tool's schema: invalid_grammar on `tools`)."""
+        cap = self._limits.max_structured_output_chars
+        if found is None or len(found[0].spec) <= cap:
+            return found
+        structured, param = found
+        message = f"the {structured.kind} must be at most {cap} characters, got {len(structured.spec)}"
+        if param == "tools":
+            raise BadRequest(f"tools: the forced call's grammar is too large ({message})", param="tools",
+                             code="invalid_grammar")
+        raise BadRequest(f"{param}: {message}", param=param)
 
     def structured_output_param(self) -> str | None:
         structured = self.structured_output()
@@ -436,7 +449,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields, RouterField
             raise BadRequest(f"{asked[1]}: a structured output cannot be combined with tool_choice "
                              f"{self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}",
                              param=asked[1])
-        return (forced, "tools") if forced is not None else asked
+        return self._within_limits((forced, "tools")) if forced is not None else self._within_limits(asked)
 
 
 

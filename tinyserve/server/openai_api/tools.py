@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.engine.sampling.structured_output import closed_objects
 from tinyserve.server.errors import BadRequest
-from tinyserve.types import InvalidRequest, StructuredOutput
+from tinyserve.types import StructuredOutput
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -129,11 +129,7 @@ class ToolPlan:
         repeat = ' ("\\n" call)*' if self.parallel else ""
         grammar = "\n".join([f"start: call{repeat}", f"call: {json.dumps(CALL_OPEN)} ({calls}) {json.dumps(CALL_CLOSE)}",
                              *rules])
-        try:
-            return StructuredOutput("grammar", grammar)
-        except InvalidRequest as exc:  # the grammar of every tool's schema is over the size cap
-            raise BadRequest(f"tools: the forced call's grammar is too large ({exc.message})", param="tools",
-                             code="invalid_grammar") from None
+        return StructuredOutput("grammar", grammar)  # its size: protocol's _within_limits
 
     def template_kwargs(self) -> dict:
         return {"tools": [t.model_dump(exclude_none=True) for t in self.tools]}
