@@ -32,14 +32,14 @@ _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero group from dividing
 def kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Blocks of 16 rows (zero rows pad the last), interleaved per group as our matmul kernels read them
     (csrc/quantized_matmul.cpp, csrc/bf16_matmul.cpp). chunks [rows, groups, chunks, 4] uint8: a row's
-    bytes of one group, 4 per vector lane; values: per-group scales or minimums [rows, groups] ->
-    [blocks, groups * 16] each."""
+    bytes of one group, 4 per vector lane; values: per-group scales or minimums [rows, groups] (or per
+    super-block: [rows, any count]) -> [blocks, count * 16] each."""
     rows, groups = chunks.shape[:2]
     blocks = -(-rows // KERNEL_ROWS)
     pad = blocks * KERNEL_ROWS - rows
     chunks = F.pad(chunks, (0, 0, 0, 0, 0, 0, 0, pad))
     codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, 4).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
-    return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, groups).transpose(1, 2)
+    return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, -1).transpose(1, 2)
                                 .reshape(blocks, -1).contiguous() for v in values]
 
 
@@ -184,12 +184,8 @@ class Int4Weight:
         """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
         if codes.bits != 4 or codes.minimums is None:
             raise ValueError(f"Int4Weight takes 4-bit codes with minimums, got {codes.bits}-bit")
-        out_features, in_features = codes.codes.shape
-        # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
-        nibbles = codes.codes.reshape(out_features, -1, 4, 2, 4)
-        chunks = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
-        packed, (scales, minimums) = kernel_layout(chunks, [codes.scales, codes.minimums])
-        return cls(packed, scales, minimums, out_features)
+        packed, (scales, minimums) = kernel_layout(_nibble_chunks(codes.codes), [codes.scales, codes.minimums])
+        return cls(packed, scales, minimums, codes.codes.shape[0])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout:
@@ -204,6 +200,72 @@ class Int4Weight:
         groups = nibbles.reshape(len(ids), scales.shape[1], GROUP).float()
         values = groups * scales[block, :, row].float()[..., None] + minimums[block, :, row].float()[..., None]
         return values.flatten(1)
+
+
+def _nibble_chunks(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [rows, in] (a byte each) -> the int4 kernels' chunks [rows, groups, 4, 4]: input i of a group
+    = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4."""
+    nibbles = codes.reshape(codes.shape[0], -1, 4, 2, 4)
+    return nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+
+
+SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32
+
+
+@dataclass(frozen=True)
+class SuperblockCodes:
+    """A GGUF Q4_K matrix's own codes, before the kernel's interleaving (loader/gguf/blocks.py makes them from
+    the file's bytes, without a float): per super-block of 256 inputs and row, float16 d and dmin; per group of
+    32 inputs, 6-bit sc and m; w = code * (d * sc) - dmin * m, code 0..15."""
+
+    codes: torch.Tensor  # [rows, in] uint8 0..15
+    d: torch.Tensor  # [rows, in / 256] float16
+    dmin: torch.Tensor  # [rows, in / 256] float16
+    sub_scales: torch.Tensor  # [rows, in / 32] uint8 0..63
+    sub_mins: torch.Tensor  # [rows, in / 32] uint8 0..63
+
+    @classmethod
+    def empty(cls, rows: int, in_features: int, device: torch.device) -> SuperblockCodes:
+        halves, bytes_ = dict(dtype=torch.float16, device=device), dict(dtype=torch.uint8, device=device)
+        supers, groups = in_features // SUPERBLOCK, in_features // GROUP
+        return cls(torch.empty(rows, in_features, **bytes_), torch.empty(rows, supers, **halves),
+                   torch.empty(rows, supers, **halves), torch.empty(rows, groups, **bytes_),
+                   torch.empty(rows, groups, **bytes_))
+
+    def dequantized(self) -> torch.Tensor:
+        """The values the codes stand for, float32 [rows, in], as the kernel computes them (and ggml: d * sc
+        and dmin * m are exact in float32, so each value is rounded once)."""
+        rows, in_features = self.codes.shape
+        per_group = SUPERBLOCK // GROUP
+        scale = self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()
+        offset = -(self.dmin.float().repeat_interleave(per_group, 1) * self.sub_mins.float())
+        groups = self.codes.reshape(rows, -1, GROUP).float()
+        return torch.addcmul(offset[..., None], groups, scale[..., None]).reshape(rows, in_features)
+
+
+@dataclass(frozen=True)
+class Int4SuperblockWeight:
+    """A GGUF Q4_K matrix in its own codes and scales, for the W4A16 kernel (csrc/quantized_matmul_a16.cpp,
+    w4a16_superblock_matmul: the activations unrounded): Int4Weight's interleaved nibbles, and per block of 16
+    rows the rows' d and dmin per super-block and 6-bit sc and m per group, a byte each. 148 bytes per 256
+    weights of a row where the file has 144 (its 12 bytes of packed 6-bit values kept as 16): 2.8% more."""
+
+    codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: Int4Weight's layout
+    d: torch.Tensor  # [blocks, supers * 16] float16
+    dmin: torch.Tensor  # [blocks, supers * 16] float16
+    sub_scales: torch.Tensor  # [blocks, groups * 16] uint8
+    sub_mins: torch.Tensor  # [blocks, groups * 16] uint8
+    out_features: int
+
+    @classmethod
+    def from_codes(cls, codes: SuperblockCodes) -> Int4SuperblockWeight:
+        packed, values = kernel_layout(_nibble_chunks(codes.codes),
+                                       [codes.d, codes.dmin, codes.sub_scales, codes.sub_mins])
+        return cls(packed, *values, codes.codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.d, self.dmin, self.sub_scales, self.sub_mins))
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:

@@ -9,6 +9,13 @@ ggml's blocks, 32 weights each, rows of whole blocks:
 - Q4_1 (20 bytes): float16 d and m, then the codes as Q4_0's; w = q * d + m: our Int4Weight's own rule.
 - Q8_0 (34 bytes): float16 d, then 32 int8 codes; w = q * d. Our Int8Weight stores q + 128 in a byte,
   which is q's bits with the sign bit flipped.
+
+And Q4_K's super-blocks as SuperblockCodes (Int4SuperblockWeight's, for W4A16), also bytes to bytes:
+- Q4_K (144 bytes, 256 weights): float16 d and dmin; 12 bytes packing the 6-bit scale sc_j and minimum m_j
+  of each sub-block j of 32 (j < 4: the low 6 bits of byte j (sc) and of byte 4 + j (m); j >= 4: byte 4 + j's
+  low (sc) and high (m) nibble, below the top 2 bits of byte j - 4 (sc) and of byte j (m)); 128 bytes of
+  4-bit codes, sub-blocks 2c and 2c + 1 in the low and high nibbles of bytes 32c .. 32c + 31.
+  w = q * (d * sc_j) - dmin * m_j.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tinyserve.layers.quant import GroupCodes
+from tinyserve.layers.quant import GroupCodes, SuperblockCodes
 from tinyserve.loader.errors import ModelLoadError
 
 # each type converted here -> the bits of the group codes it becomes
@@ -42,6 +49,22 @@ def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) 
             raise ModelLoadError(f"tensor {name!r}: a Q4_0 scale over 8188 has no float16 minimum (-8 * d)")
     codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # weights 0..15, then 16..31 of each block
     return GroupCodes(4, codes.reshape(rows, -1), scales, minimums)
+
+
+_Q4_K_BYTES = 144
+
+
+def superblock_codes(data: np.ndarray) -> SuperblockCodes:
+    """data: a Q4_K tensor's rows as bytes, uint8 [rows, 144 * super-blocks] -> their SuperblockCodes."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q4_K_BYTES)
+    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
+    scale_bytes, min_bytes, nibbles = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sub_scales = torch.cat([scale_bytes & 0x3F, (nibbles & 0x0F) | ((scale_bytes >> 6) << 4)], dim=-1)
+    sub_mins = torch.cat([min_bytes & 0x3F, (nibbles >> 4) | ((min_bytes >> 6) << 4)], dim=-1)
+    packed = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-2)  # [rows, super-block, c, nibble, 32]: sub-block 2c + nibble
+    return SuperblockCodes(codes.reshape(rows, -1), d, dmin, sub_scales.reshape(rows, -1), sub_mins.reshape(rows, -1))
 
 
 def _halves(pairs: torch.Tensor) -> torch.Tensor:
