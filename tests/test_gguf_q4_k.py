@@ -172,6 +172,25 @@ def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
             assert linears[name].weight_format.nbytes == file_bytes * 148 // 144
 
 
+@needs_int_kernels
+def test_the_q4_k_linears_load_without_a_float(mixed_path, monkeypatch):
+    """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
+    from tinyserve.loader.gguf import checkpoint
+
+    dequantized, dequantize = set(), checkpoint._dequantize
+
+    def recorded(tensor, *args, **kwargs):
+        dequantized.add(tensor.name)
+        return dequantize(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_dequantize", recorded)
+    _build(mixed_path, dtype=torch.float32, quantization="w4a16")
+    superblock_tensors = {gguf_name for name, fmt in W4A16_FORMATS.items() if fmt is Int4SuperblockWeight
+                          for gguf_name in _gguf_names(name)}
+    assert superblock_tensors and not superblock_tensors & dequantized
+    assert "blk.0.attn_q.weight" in dequantized  # a Q4_K shard of an int8 linear (its V is Q6_K) is
+
+
 def _gguf_names(module: str) -> list[str]:
     """A block linear's GGUF tensors (a merged one's shards)."""
     _, _, layer, rest = module.split(".", 3)
