@@ -64,6 +64,11 @@ class GroupCodes:
     scales: torch.Tensor  # [rows, in / 32] float16
     minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 bits), None (8 bits)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, in] of the matrix."""
+        return tuple(self.codes.shape)
+
     def dequantized(self) -> torch.Tensor:
         """The values the codes stand for, float32 [rows, in], as the kernels compute them."""
         rows, in_features = self.codes.shape
@@ -214,32 +219,40 @@ SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32
 
 @dataclass(frozen=True)
 class SuperblockCodes:
-    """A GGUF Q4_K matrix's own codes, before the kernel's interleaving (loader/gguf/blocks.py makes them from
-    the file's bytes, without a float): per super-block of 256 inputs and row, float16 d and dmin; per group of
-    32 inputs, 6-bit sc and m; w = code * (d * sc) - dmin * m, code 0..15."""
+    """A GGUF Q4_K matrix's own codes, before the kernel's interleaving of rows (loader/gguf/blocks.py makes them
+    from the file's bytes, without a float): per super-block of 256 inputs and row, float16 d and dmin; per
+    group of 32 inputs, 6-bit sc and m; w = code * (d * sc) - dmin * m, code 0..15. The codes come two a byte
+    in the int4 kernels' order within a group (Int4Weight's chunks: byte 4c + b holds inputs 8c + b and
+    8c + b + 4), which Q4_K's nibbles map to with a few byte ops."""
 
-    codes: torch.Tensor  # [rows, in] uint8 0..15
+    codes: torch.Tensor  # [rows, in / 2] uint8
     d: torch.Tensor  # [rows, in / 256] float16
     dmin: torch.Tensor  # [rows, in / 256] float16
     sub_scales: torch.Tensor  # [rows, in / 32] uint8 0..63
     sub_mins: torch.Tensor  # [rows, in / 32] uint8 0..63
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, in] of the matrix."""
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
     @classmethod
     def empty(cls, rows: int, in_features: int, device: torch.device) -> SuperblockCodes:
         halves, bytes_ = dict(dtype=torch.float16, device=device), dict(dtype=torch.uint8, device=device)
         supers, groups = in_features // SUPERBLOCK, in_features // GROUP
-        return cls(torch.empty(rows, in_features, **bytes_), torch.empty(rows, supers, **halves),
+        return cls(torch.empty(rows, in_features // 2, **bytes_), torch.empty(rows, supers, **halves),
                    torch.empty(rows, supers, **halves), torch.empty(rows, groups, **bytes_),
                    torch.empty(rows, groups, **bytes_))
 
     def dequantized(self) -> torch.Tensor:
         """The values the codes stand for, float32 [rows, in], as the kernel computes them (and ggml: d * sc
         and dmin * m are exact in float32, so each value is rounded once)."""
-        rows, in_features = self.codes.shape
+        rows, in_features = self.shape
         per_group = SUPERBLOCK // GROUP
         scale = self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()
         offset = -(self.dmin.float().repeat_interleave(per_group, 1) * self.sub_mins.float())
-        groups = self.codes.reshape(rows, -1, GROUP).float()
+        chunks = self.codes.reshape(rows, -1, 4, 1, 4)  # [row, group, chunk, 1, byte]
+        groups = torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(rows, -1, GROUP).float()
         return torch.addcmul(offset[..., None], groups, scale[..., None]).reshape(rows, in_features)
 
 
@@ -259,9 +272,10 @@ class Int4SuperblockWeight:
 
     @classmethod
     def from_codes(cls, codes: SuperblockCodes) -> Int4SuperblockWeight:
-        packed, values = kernel_layout(_nibble_chunks(codes.codes),
+        rows = codes.codes.shape[0]
+        packed, values = kernel_layout(codes.codes.reshape(rows, -1, 4, 4),
                                        [codes.d, codes.dmin, codes.sub_scales, codes.sub_mins])
-        return cls(packed, *values, codes.codes.shape[0])
+        return cls(packed, *values, rows)
 
     @property
     def nbytes(self) -> int:

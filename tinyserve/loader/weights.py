@@ -279,6 +279,6 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_piece(hf_name: str, piece: torch.Tensor | GroupCodes | SuperblockCodes, target: torch.Tensor) -> None:
     """A tensor (or codes) read against the part of the model it fills: the data, whatever the header said."""
-    shape = tuple((piece.codes if isinstance(piece, (GroupCodes, SuperblockCodes)) else piece).shape)
+    shape = tuple(piece.shape)
     if shape != tuple(target.shape):
         raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")
