@@ -9,7 +9,8 @@ model.
 
 The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group), int8 is Q8_0
 (code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
-(tests/test_quant.py checks Q4_1's against the file's blocks). The int8 mode's block linears take a
+(tests/test_quant.py checks Q4_1's against the file's blocks). W4A16 also holds a GGUF's Q4_K matrices in their
+own codes and super-block scales (Int4SuperblockWeight). The int8 mode's block linears take a
 third, Int8ChannelWeight (one scale per row), where the file does not store them as Q8_0: its kernel
 prefills at 1.6-2x bfloat16's rate, where the per-group ones run near bfloat16's.
 """
@@ -189,8 +190,12 @@ class Int4Weight:
         """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
         if codes.bits != 4 or codes.minimums is None:
             raise ValueError(f"Int4Weight takes 4-bit codes with minimums, got {codes.bits}-bit")
-        packed, (scales, minimums) = kernel_layout(_nibble_chunks(codes.codes), [codes.scales, codes.minimums])
-        return cls(packed, scales, minimums, codes.codes.shape[0])
+        out_features, in_features = codes.codes.shape
+        # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
+        nibbles = codes.codes.reshape(out_features, -1, 4, 2, 4)
+        chunks = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+        packed, (scales, minimums) = kernel_layout(chunks, [codes.scales, codes.minimums])
+        return cls(packed, scales, minimums, out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout:
@@ -205,13 +210,6 @@ class Int4Weight:
         groups = nibbles.reshape(len(ids), scales.shape[1], GROUP).float()
         values = groups * scales[block, :, row].float()[..., None] + minimums[block, :, row].float()[..., None]
         return values.flatten(1)
-
-
-def _nibble_chunks(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [rows, in] (a byte each) -> the int4 kernels' chunks [rows, groups, 4, 4]: input i of a group
-    = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4."""
-    nibbles = codes.reshape(codes.shape[0], -1, 4, 2, 4)
-    return nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
 
 
 SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32
