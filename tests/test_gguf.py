@@ -52,9 +52,10 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None, types=None):
+def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None, types=None, quantize=gguf.quants.quantize):
     """model as llama.cpp's converter writes it, its matrices in qtype (or types[GGUF name], a K-quant-like
-    mix), the rest in F32; edit(writer) may then overwrite metadata (forged files)."""
+    mix), the rest in F32; edit(writer) may then overwrite metadata (forged files); quantize(w, type): the
+    blocks of a matrix (gguf-py's, which has no K-quants)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -78,7 +79,7 @@ def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None, types=Non
         if gname in drop:
             continue
         kind = (types or {}).get(gname, qtype) if w.ndim == 2 else Q.F32
-        data = w if kind == Q.F32 else gguf.quants.quantize(w, kind)
+        data = w if kind == Q.F32 else quantize(w, kind)
         writer.add_tensor(gname, data, raw_dtype=None if kind == Q.F32 else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

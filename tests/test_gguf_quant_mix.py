@@ -122,15 +122,23 @@ def test_mixed_model_computes_its_mixed_quantized_values(mixed_path, quantizatio
     uniform mode). w4a16 at float32 computes those values with unrounded activations: only the order of the
     sums differs."""
     model = _build(mixed_path, dtype=dtype, quantization=quantization)
-    reference = _build(mixed_path, dtype=torch.float32)
-    reader = open_gguf(mixed_path)
+    assert_logits_match_the_formats_values(model, mixed_path, INT4_MIX_FORMATS, TAKEN_AS_CODES, tolerance)
+
+
+def assert_logits_match_the_formats_values(model, path, formats: dict[str, type], taken: dict[type, set],
+                                           tolerance: float) -> None:
+    """model's logits (40 random tokens) against float32 on the file's dequantized values, each shard of a
+    linear then set to its format's values (formats: by module name) unless the format takes its type's codes
+    as they are (taken: the types, by format)."""
+    reference = _build(path, dtype=torch.float32)
+    reader = open_gguf(path)
     types = {t.name: t.tensor_type for t in reader.tensors}
     linears = {m: name for name, m in reference.named_modules()}
     for match in match_tensors(reference, gguf_tensors(reader, gguf_model_config(reader))):
         if match.linear is None:
             continue
-        fmt = INT4_MIX_FORMATS[linears[match.linear]]
-        if types[_gguf_name(match.hf_name)] not in TAKEN_AS_CODES[fmt]:
+        fmt = formats[linears[match.linear]]
+        if types[_gguf_name(match.hf_name)] not in taken[fmt]:
             match.target.copy_(fmt.quantize(match.target)[1])
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     got, exact = forward_sequence(model, ids), forward_sequence(reference, ids)

@@ -9,7 +9,8 @@ model.
 
 The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group), int8 is Q8_0
 (code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
-(tests/test_quant.py checks Q4_1's against the file's blocks). The int8 mode's block linears take a
+(tests/test_quant.py checks Q4_1's against the file's blocks). W4A16 also holds a GGUF's Q4_K matrices in their
+own codes and super-block scales (Int4SuperblockWeight). The int8 mode's block linears take a
 third, Int8ChannelWeight (one scale per row), where the file does not store them as Q8_0: its kernel
 prefills at 1.6-2x bfloat16's rate, where the per-group ones run near bfloat16's.
 """
@@ -32,14 +33,14 @@ _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero group from dividing
 def kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Blocks of 16 rows (zero rows pad the last), interleaved per group as our matmul kernels read them
     (csrc/quantized_matmul.cpp, csrc/bf16_matmul.cpp). chunks [rows, groups, chunks, 4] uint8: a row's
-    bytes of one group, 4 per vector lane; values: per-group scales or minimums [rows, groups] ->
-    [blocks, groups * 16] each."""
+    bytes of one group, 4 per vector lane; values: per-group scales or minimums [rows, groups] (or per
+    super-block: [rows, any count]) -> [blocks, count * 16] each."""
     rows, groups = chunks.shape[:2]
     blocks = -(-rows // KERNEL_ROWS)
     pad = blocks * KERNEL_ROWS - rows
     chunks = F.pad(chunks, (0, 0, 0, 0, 0, 0, 0, pad))
     codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, 4).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
-    return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, groups).transpose(1, 2)
+    return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, -1).transpose(1, 2)
                                 .reshape(blocks, -1).contiguous() for v in values]
 
 
@@ -63,6 +64,11 @@ class GroupCodes:
     codes: torch.Tensor  # [rows, in] uint8
     scales: torch.Tensor  # [rows, in / 32] float16
     minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 bits), None (8 bits)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, in] of the matrix."""
+        return tuple(self.codes.shape)
 
     def dequantized(self) -> torch.Tensor:
         """The values the codes stand for, float32 [rows, in], as the kernels compute them."""
@@ -204,6 +210,74 @@ class Int4Weight:
         groups = nibbles.reshape(len(ids), scales.shape[1], GROUP).float()
         values = groups * scales[block, :, row].float()[..., None] + minimums[block, :, row].float()[..., None]
         return values.flatten(1)
+
+
+SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32
+
+
+@dataclass(frozen=True)
+class SuperblockCodes:
+    """A GGUF Q4_K matrix's own codes, before the kernel's interleaving of rows (loader/gguf/blocks.py makes them
+    from the file's bytes, without a float): per super-block of 256 inputs and row, float16 d and dmin; per
+    group of 32 inputs, 6-bit sc and m; w = code * (d * sc) - dmin * m, code 0..15. The codes come two a byte
+    in the int4 kernels' order within a group (Int4Weight's chunks: byte 4c + b holds inputs 8c + b and
+    8c + b + 4), which Q4_K's nibbles map to with a few byte ops."""
+
+    codes: torch.Tensor  # [rows, in / 2] uint8
+    d: torch.Tensor  # [rows, in / 256] float16
+    dmin: torch.Tensor  # [rows, in / 256] float16
+    sub_scales: torch.Tensor  # [rows, in / 32] uint8 0..63
+    sub_mins: torch.Tensor  # [rows, in / 32] uint8 0..63
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, in] of the matrix."""
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    @classmethod
+    def empty(cls, rows: int, in_features: int, device: torch.device) -> SuperblockCodes:
+        halves, bytes_ = dict(dtype=torch.float16, device=device), dict(dtype=torch.uint8, device=device)
+        supers, groups = in_features // SUPERBLOCK, in_features // GROUP
+        return cls(torch.empty(rows, in_features // 2, **bytes_), torch.empty(rows, supers, **halves),
+                   torch.empty(rows, supers, **halves), torch.empty(rows, groups, **bytes_),
+                   torch.empty(rows, groups, **bytes_))
+
+    def dequantized(self) -> torch.Tensor:
+        """The values the codes stand for, float32 [rows, in], as the kernel computes them (and ggml: d * sc
+        and dmin * m are exact in float32, so each value is rounded once)."""
+        rows, in_features = self.shape
+        per_group = SUPERBLOCK // GROUP
+        scale = self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()
+        offset = -(self.dmin.float().repeat_interleave(per_group, 1) * self.sub_mins.float())
+        chunks = self.codes.reshape(rows, -1, 4, 1, 4)  # [row, group, chunk, 1, byte]
+        groups = torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(rows, -1, GROUP).float()
+        return torch.addcmul(offset[..., None], groups, scale[..., None]).reshape(rows, in_features)
+
+
+@dataclass(frozen=True)
+class Int4SuperblockWeight:
+    """A GGUF Q4_K matrix in its own codes and scales, for the W4A16 kernel (csrc/quantized_matmul_a16.cpp,
+    w4a16_superblock_matmul: the activations unrounded): Int4Weight's interleaved nibbles, and per block of 16
+    rows the rows' d and dmin per super-block and 6-bit sc and m per group, a byte each. 148 bytes per 256
+    weights of a row where the file has 144 (its 12 bytes of packed 6-bit values kept as 16): 2.8% more."""
+
+    codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: Int4Weight's layout
+    d: torch.Tensor  # [blocks, supers * 16] float16
+    dmin: torch.Tensor  # [blocks, supers * 16] float16
+    sub_scales: torch.Tensor  # [blocks, groups * 16] uint8
+    sub_mins: torch.Tensor  # [blocks, groups * 16] uint8
+    out_features: int
+
+    @classmethod
+    def from_codes(cls, codes: SuperblockCodes) -> Int4SuperblockWeight:
+        rows = codes.codes.shape[0]
+        packed, values = kernel_layout(codes.codes.reshape(rows, -1, 4, 4),
+                                       [codes.d, codes.dmin, codes.sub_scales, codes.sub_mins])
+        return cls(packed, *values, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.d, self.dmin, self.sub_scales, self.sub_mins))
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:

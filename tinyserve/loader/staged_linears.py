@@ -5,25 +5,30 @@ module, whose lookups then read the head's codes (layers/embedding.py). No float
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
-int8: loader/gguf/blocks.py) is copied code for code. Any other (a K-quant, a float tensor, a tensor-parallel
-rank's columns) is read as float32 rows and quantized by its format's rule (layers/quant.py), which is the
-same for a block of rows as for the whole matrix: each group of 32 inputs is one row's.
+int8, in w4a16 mode its Q4_K into Int4SuperblockWeight: loader/gguf/blocks.py) is copied code for code. Any
+other (another K-quant, a float tensor, a tensor-parallel rank's columns) is read as float32 rows and quantized
+by its format's rule (layers/quant.py), which is the same for a block of rows as for the whole matrix: each
+group of 32 inputs is one row's.
 Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
-from tinyserve.layers.quant import (GROUP, GroupCodes, Int4Weight, Int8ChannelWeight, Int8Weight, int4_group_codes,
-                                    int8_group_codes)
+from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int8ChannelWeight, Int8Weight,
+                                    SuperblockCodes, int4_group_codes, int8_group_codes)
+
+if TYPE_CHECKING:
+    from tinyserve.loader.weights import TensorSource
 
 _RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
 _BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each format holds
@@ -32,14 +37,14 @@ _BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each forma
 @dataclass
 class StagedLinear:
     """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight,
-    Int8Weight), or `values` (Int8ChannelWeight, float32 [out, in])."""
+    Int8Weight; Int4SuperblockWeight's SuperblockCodes), or `values` (Int8ChannelWeight, float32 [out, in])."""
 
     holders: tuple[nn.Module, ...]  # the modules that take the format: a Linear; a tied head and its embedding
     fmt: QuantizedFormat
     int8_inputs: bool
     shape: tuple[int, int]  # [out, in]
     rows_left: int = field(init=False)  # of the weight, not written yet
-    codes: GroupCodes | None = None
+    codes: GroupCodes | SuperblockCodes | None = None
     values: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -47,11 +52,11 @@ class StagedLinear:
 
     @classmethod
     def start(cls, matrix: Linear | TiedLMHead | Embedding, quantization: str,
-              file_code_bits: int | None) -> StagedLinear:
+              file_code_bits: int | None, superblocks: bool = False) -> StagedLinear:
         """Its format chosen (file_code_bits: the bits of the file's codes that convert as they are, for
-        every tensor of it; None: not all do); its buffers come with its first rows (_buffers), so that at
-        most one matrix's are held at a time."""
-        fmt = quantized_format(matrix, quantization, file_code_bits)
+        every tensor of it; None: not all do; superblocks: every tensor of it is Q4_K); its buffers come with
+        its first rows (_buffers), so that at most one matrix's are held at a time."""
+        fmt = quantized_format(matrix, quantization, file_code_bits, superblocks)
         if isinstance(matrix, TiedLMHead):
             holders, shape = (matrix, matrix.embedding), tuple(matrix.embedding.weight.shape)
         elif isinstance(matrix, Embedding):
@@ -67,31 +72,39 @@ class StagedLinear:
         if self.fmt is Int8ChannelWeight:
             self.values = torch.empty(rows, inputs, dtype=torch.float32, device=device)
             return
+        if self.fmt is Int4SuperblockWeight:
+            self.codes = SuperblockCodes.empty(rows, inputs, device)
+            return
         bits, groups = _BITS[self.fmt], inputs // GROUP
         halves = dict(dtype=torch.float16, device=device)
         self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
                                 torch.empty(rows, groups, **halves),
                                 torch.empty(rows, groups, **halves) if bits == 4 else None)
 
-    def takes_codes(self, bits: int | None) -> bool:
-        """Whether a file's group codes of `bits` copy in as they are (else its rows come as float32)."""
-        return bits == _BITS.get(self.fmt)
+    def codes_decoder(self, source: TensorSource) -> Callable[[Any, Any], GroupCodes | SuperblockCodes] | None:
+        """The source's decoder into codes this format copies in as they are (group codes of its bits, or Q4_K's
+        super-blocks); None: its rows come as float32."""
+        if self.fmt is Int4SuperblockWeight:
+            return source.decode_superblocks
+        return source.decode_codes if source.code_bits == _BITS.get(self.fmt) else None
 
-    def write(self, row: int, piece: torch.Tensor | GroupCodes) -> None:
-        """Rows [row, row + len(piece)) of the weight: float32 values, or group codes of this format's bits."""
-        if self.fmt is not Int8ChannelWeight and not isinstance(piece, GroupCodes):
+    def write(self, row: int, piece: torch.Tensor | GroupCodes | SuperblockCodes) -> None:
+        """Rows [row, row + len(piece)) of the weight: float32 values, or codes of this format's kind."""
+        coded = isinstance(piece, (GroupCodes, SuperblockCodes))
+        if self.fmt is not Int8ChannelWeight and not coded:
             piece = _RULES[self.fmt](piece)
-        rows = piece.codes if isinstance(piece, GroupCodes) else piece
+            coded = True
+        rows = piece.codes if coded else piece
         if self.codes is None and self.values is None:
             self._buffers(rows.device)
         stop = row + rows.shape[0]
         if self.values is not None:
             self.values[row:stop].copy_(piece)
         else:
-            self.codes.codes[row:stop].copy_(piece.codes)
-            self.codes.scales[row:stop].copy_(piece.scales)
-            if piece.minimums is not None:
-                self.codes.minimums[row:stop].copy_(piece.minimums)
+            for part in dataclasses.fields(piece):  # codes, scales, ...; a GroupCodes' bits and absent minimums
+                value = getattr(piece, part.name)
+                if isinstance(value, torch.Tensor):
+                    getattr(self.codes, part.name)[row:stop].copy_(value)
         self.rows_left -= rows.shape[0]
 
     def finish(self) -> None:
@@ -100,26 +113,27 @@ class StagedLinear:
             weight, _ = Int8ChannelWeight.quantize(self.values)
         else:
             weight = self.fmt.from_codes(self.codes)
-            if not self.int8_inputs:
+            if not self.int8_inputs and self.fmt is not Int4SuperblockWeight:  # that one is W4A16 alone
                 weight = dataclasses.replace(weight, int8_inputs=False)
         for holder in self.holders:
             holder.weight_format = weight
         self.codes = self.values = None
 
 
-def stage_linears(model: nn.Module, quantization: str,
-                  file_code_bits: Mapping[nn.Module, int | None]) -> dict[nn.Module, StagedLinear]:
+def stage_linears(model: nn.Module, quantization: str, file_code_bits: Mapping[nn.Module, int | None],
+                  superblocks: Collection[nn.Module] = ()) -> dict[nn.Module, StagedLinear]:
     """A StagedLinear for every Linear and tied LM head of the model (built on meta, its `stored_bits` set
     from the checkpoint's headers), by the module whose `weight` it fills; file_code_bits: by that module,
-    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits). An untied
-    embedding whose file codes convert is held in them too (its rows looked up there: layers/embedding.py),
-    not in a float copy of vocab x hidden; any other keeps its float matrix."""
+    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits); superblocks: the
+    modules the file stores all in Q4_K (file_superblocks). An untied embedding whose file codes convert is
+    held in them too (its rows looked up there: layers/embedding.py), not in a float copy of vocab x hidden;
+    any other keeps its float matrix."""
     heads = [m for m in model.modules() if isinstance(m, (Linear, TiedLMHead))]
     tied = {id(m.embedding) for m in heads if isinstance(m, TiedLMHead)}
     staged = {}
     for module in heads:
         owner = module.embedding if isinstance(module, TiedLMHead) else module
-        staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner))
+        staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner), owner in superblocks)
     for module in model.modules():
         if isinstance(module, Embedding) and id(module) not in tied and file_code_bits.get(module) is not None:
             staged[module] = StagedLinear.start(module, quantization, file_code_bits[module])

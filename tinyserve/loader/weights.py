@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tinyserve.layers.linear import Linear, MergedLinear
-from tinyserve.layers.quant import GroupCodes
+from tinyserve.layers.quant import GroupCodes, SuperblockCodes
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
@@ -52,7 +52,9 @@ class TensorSource:
     Without them, `read` and `read_rows` run whole on the I/O thread.
     `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
     (a GGUF's Q4_0, Q4_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes of those
-    bits. `release`: drops the file's pages of the tensor from the process once it is read (GGUFFile.release)."""
+    bits. `decode_superblocks`, where the file's codes are Q4_K's super-blocks: decode_superblocks(fetched, rows)
+    -> their SuperblockCodes (Int4SuperblockWeight's, w4a16 mode). `release`: drops the file's pages of the
+    tensor from the process once it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
@@ -63,6 +65,7 @@ class TensorSource:
     code_bits: int | None = None
     decode_codes: Callable[[Any, Rows], GroupCodes] | None = None
     release: Callable[[], None] | None = None
+    decode_superblocks: Callable[[Any, Rows], SuperblockCodes] | None = None
 
     def __call__(self) -> torch.Tensor:
         return self.read()
@@ -171,12 +174,25 @@ def file_code_bits(matches: list[Match]) -> dict[nn.Module, int | None]:
     """By the module whose `weight` the matches fill: the bits of the file's codes that convert to ours as they
     are (TensorSource.code_bits), where every tensor of it has the same (each read whole for this rank); else
     None."""
-    bits: dict[nn.Module, set[int | None]] = {}
+    return _by_owner(matches, lambda source: source.code_bits)
+
+
+def file_superblocks(matches: list[Match]) -> set[nn.Module]:
+    """The modules whose `weight` the file stores all in Q4_K super-blocks (TensorSource.decode_superblocks),
+    each tensor read whole for this rank."""
+    held = _by_owner(matches, lambda source: source.decode_superblocks is not None or None)
+    return {owner for owner, superblocks in held.items() if superblocks}
+
+
+def _by_owner(matches: list[Match], key: Callable[[TensorSource], Any]) -> dict[nn.Module, Any]:
+    """By the module whose `weight` the matches fill: key(source) where every tensor of it (each read whole for
+    this rank) has the same; else None."""
+    values: dict[nn.Module, set] = {}
     for match in matches:
         if match.owner is not None:
-            code_bits = match.produce.code_bits if isinstance(match.produce, TensorSource) else None
-            bits.setdefault(match.owner, set()).add(code_bits if match.part is None else None)
-    return {owner: next(iter(b)) if len(b) == 1 else None for owner, b in bits.items()}
+            value = key(match.produce) if isinstance(match.produce, TensorSource) else None
+            values.setdefault(match.owner, set()).add(value if match.part is None else None)
+    return {owner: next(iter(v)) if len(v) == 1 else None for owner, v in values.items()}
 
 
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
@@ -196,8 +212,9 @@ def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
     for match in matches:
         source = match.produce if isinstance(match.produce, TensorSource) else None
         staging = staged.get(match.owner) if match.owner is not None else None
-        as_codes = (staging is not None and source is not None and match.part is None
-                    and source.decode_codes is not None and staging.takes_codes(source.code_bits))
+        as_codes = None
+        if staging is not None and source is not None and match.part is None:
+            as_codes = staging.codes_decoder(source)
         for fetch, finish, rows in _pieces(match, as_codes):
             if reads is None:
                 fetched = fetch()
@@ -220,18 +237,20 @@ def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
             yield
 
 
-def _pieces(match: Match, as_codes: bool = False) -> Iterator[tuple[Callable[[], Any], Callable[[Any], Any], Rows]]:
+def _pieces(match: Match, as_codes: Callable[[Any, Rows], Any] | None = None,
+            ) -> Iterator[tuple[Callable[[], Any], Callable[[Any], Any], Rows]]:
     """(the read for the I/O thread, what makes the tensor of its result here, the rows [start, stop) of the
     target they fill, None: all of it): for the whole tensor, or for each block of PIECE_VALUES values of it.
-    as_codes: the pieces are the source's group codes (TensorSource.decode_codes; a whole rank's tensor)."""
+    as_codes: the source's decoder into a format's codes (StagedLinear.codes_decoder; a whole rank's tensor),
+    which makes the pieces; None: its float values."""
     produce, target, part = match.produce, match.target, match.part
     source = produce if isinstance(produce, TensorSource) else None
     split = source is not None and source.fetch is not None and source.decode is not None
-    decode = source.decode_codes if as_codes else source.decode if source is not None else None
+    decode = as_codes or (source.decode if source is not None else None)
     read_rows = source.read_rows if source is not None else None
     by_rows = read_rows is not None and target.dim() >= 2 and (part is None or part.dim == 0)
     if not by_rows or (part is None and target.numel() <= PIECE_VALUES):
-        if as_codes:
+        if as_codes is not None:
             yield partial(source.fetch, None), partial(_decode_rows, decode, None), None
         elif split:
             yield partial(source.fetch, None), lambda fetched: match.checked(source.decode(fetched, None)), None
@@ -258,8 +277,8 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _check_piece(hf_name: str, piece: torch.Tensor | GroupCodes, target: torch.Tensor) -> None:
-    """A tensor (or group codes) read against the part of the model it fills: the data, whatever the header said."""
-    shape = tuple((piece.codes if isinstance(piece, GroupCodes) else piece).shape)
+def _check_piece(hf_name: str, piece: torch.Tensor | GroupCodes | SuperblockCodes, target: torch.Tensor) -> None:
+    """A tensor (or codes) read against the part of the model it fills: the data, whatever the header said."""
+    shape = tuple(piece.shape)
     if shape != tuple(target.shape):
         raise ModelLoadError(f"tensor {hf_name!r} has shape {shape}, expected {tuple(target.shape)}")

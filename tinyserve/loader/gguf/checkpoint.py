@@ -18,8 +18,8 @@ import torch
 
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.layers.quant import GroupCodes
-from tinyserve.loader.gguf.blocks import CODE_BITS, group_codes
+from tinyserve.layers.quant import GroupCodes, SuperblockCodes
+from tinyserve.loader.gguf.blocks import CODE_BITS, group_codes, superblock_codes
 from tinyserve.loader.gguf.file_format import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import NamedTensor, TensorSource
@@ -263,15 +263,19 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
 
         code_bits = CODE_BITS.get(tensor.tensor_type)
         decode_codes = None if code_bits is None else partial(_decode_codes, tensor, num_heads)
+        superblocks = None
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K and len(tensor.shape) == 2:
+            superblocks = partial(_decode_codes, tensor, num_heads, convert=superblock_codes)
         # the norms and the permuted Q/K are read whole: only other matrices are read by blocks of rows
         rows = read_rows if num_heads is None and not shift else None
         yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type), fetch, decode,
-                                    code_bits, decode_codes, partial(reader.release, tensor))
+                                    code_bits, decode_codes, partial(reader.release, tensor), superblocks)
 
 
-def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray,
-                  rows: tuple[int, int] | None) -> GroupCodes:
-    """The group codes of the tensor's rows in `data` (_fetch's bytes), Q/K rows unpermuted as _dequantize's."""
+def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray, rows: tuple[int, int] | None,
+                  convert=None) -> GroupCodes | SuperblockCodes:
+    """The group codes of the tensor's rows in `data` (_fetch's bytes), Q/K rows unpermuted as _dequantize's;
+    convert: bytes -> codes of another kind (blocks.superblock_codes: Q4_K's)."""
     if num_heads is not None:
         data = _unpermute_rope_rows(data, num_heads)
-    return group_codes(tensor.name, tensor.tensor_type, data)
+    return group_codes(tensor.name, tensor.tensor_type, data) if convert is None else convert(data)

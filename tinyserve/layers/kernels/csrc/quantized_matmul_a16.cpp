@@ -1,7 +1,10 @@
-// The int4 (GGUF Q4_1) and int8 (Q8_0) weights times unrounded activations (W4A16, W8A16), bfloat16 or
-// float32, the output in the activations' dtype:
+// The int4 (GGUF Q4_1), int8 (Q8_0) and int4 super-block (Q4_K) weights times unrounded activations (W4A16,
+// W8A16), bfloat16 or float32, the output in the activations' dtype:
 // out[t, n] = sum_k x[t, k] w[n, k], with per group of 32 inputs w = code * scale + minimum (int4) or
-// w = code * scale (int8), in Int4Weight's and Int8Weight's layouts (quantized_matmul.cpp describes them).
+// w = code * scale (int8), in Int4Weight's and Int8Weight's layouts (quantized_matmul.cpp describes them), or
+// w = code * d * sc - dmin * m (Int4SuperblockWeight: Int4Weight's codes, d and dmin per 256 inputs, 6-bit sc
+// and m per 32). The formats differ only in how a group's scale and offset are read (Int4Groups, Int8Groups,
+// SuperblockGroups); the widening and the sums are one code path.
 //
 // Why: quantized_matmul.cpp rounds each group of 32 activations to int8 before its integer dot, as
 // llama.cpp does; that rounding moves a small model's logits enough to change its greedy answers
@@ -71,19 +74,83 @@ inline lanes load_halves(const at::Half* p) {
 #endif
 }
 
+// kWidth unsigned bytes to float32 (exact): a zero-extension and a conversion where the CPU has them (GCC 12
+// turns __builtin_convertvector from bytes into one scalar conversion a lane, which made Q4_K's one-token
+// step 15-20% slower than Int4Weight's).
+inline lanes load_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<lanes>(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<lanes>(
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  lanes v;
+  for (int l = 0; l < kWidth; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+// What a format reads to widen its codes: per group g of a block and part p of its rows, the scale and offset
+// of w = code * scale + offset, and kBits, the bits of a code. at(b, groups): the same for block b of a
+// weight with `groups` groups per row.
+struct Int4Groups {  // Int4Weight (Q4_1's rule): float16 scale and minimum per group and row
+  static constexpr int kBits = 4;
+  const at::Half* scales;
+  const at::Half* minimums;
+  Int4Groups at(int64_t b, int64_t groups) const {
+    return {scales + b * groups * kRows, minimums + b * groups * kRows};
+  }
+  void get(int64_t g, int p, lanes& scale, lanes& offset) const {
+    scale = load_halves(scales + g * kRows + p * kWidth);
+    offset = load_halves(minimums + g * kRows + p * kWidth);
+  }
+};
+
+struct Int8Groups {  // Int8Weight (Q8_0's rule): float16 scale per group; the codes are stored plus 128
+  static constexpr int kBits = 8;
+  const at::Half* scales;
+  Int8Groups at(int64_t b, int64_t groups) const { return {scales + b * groups * kRows}; }
+  void get(int64_t g, int p, lanes& scale, lanes& offset) const {
+    scale = load_halves(scales + g * kRows + p * kWidth);
+    offset = scale * -128.f;  // w = (code - 128) * scale, exact
+  }
+};
+
+// Int4SuperblockWeight (GGUF Q4_K): per super-block of 8 groups (256 inputs) and row, float16 d and dmin; per
+// group and row, 6-bit sc and m: scale = d * sc and offset = -(dmin * m), both exact in float32 (an 11-bit
+// float16 significand times a 6-bit integer), and code * scale is exact too (4 more bits), so
+// w = code * scale + offset rounds once: ggml's float32 value d * sc * q - dmin * m, bit for bit.
+constexpr int kSuperGroups = 8;
+struct SuperblockGroups {
+  static constexpr int kBits = 4;
+  const at::Half* d;
+  const at::Half* dmin;
+  const uint8_t* sc;
+  const uint8_t* m;
+  SuperblockGroups at(int64_t b, int64_t groups) const {
+    const int64_t supers = groups / kSuperGroups;
+    return {d + b * supers * kRows, dmin + b * supers * kRows, sc + b * groups * kRows, m + b * groups * kRows};
+  }
+  void get(int64_t g, int p, lanes& scale, lanes& offset) const {
+    const int64_t s = g / kSuperGroups;
+    scale = load_halves(d + s * kRows + p * kWidth) * load_bytes(sc + g * kRows + p * kWidth);
+    offset = -(load_halves(dmin + s * kRows + p * kWidth) * load_bytes(m + g * kRows + p * kWidth));
+  }
+};
+
 // Groups g0 .. g0 + count - 1 of a block, widened: w[j * kParts + p] = part p of the rows' weights of input
 // g0 * 32 + j.
-template <int Bits>
-void widen(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, int64_t g0, int64_t count,
-           lanes* w) {
+template <class Groups>
+void widen(const uint8_t* codes, const Groups& groups, int64_t g0, int64_t count, lanes* w) {
+  constexpr int Bits = Groups::kBits;
   constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
   constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
   for (int64_t g = g0; g < g0 + count; ++g) {
     const uint8_t* group = codes + g * group_bytes<Bits>();
     for (int p = 0; p < kParts; ++p) {
-      const lanes scale = load_halves(scales + g * kRows + p * kWidth);
-      // int4: w = code * scale + minimum; int8: the codes are stored plus 128, so w = code * scale - 128 * scale
-      const lanes offset = Bits == 4 ? load_halves(minimums + g * kRows + p * kWidth) : scale * -128.f;
+      lanes scale, offset;
+      groups.get(g, p, scale, offset);
       for (int c = 0; c < kChunks; ++c) {
         ulanes bytes;  // lane l: row (p * kWidth + l)'s 4 bytes of chunk c
         __builtin_memcpy(&bytes, group + c * 64 + p * kWidth * 4, sizeof(bytes));
@@ -111,15 +178,14 @@ void multiply(const lanes* w, int64_t inputs, const float* x, int64_t k, int64_t
 }
 
 // One block of 16 rows for every token: sum[t * 16 + l] for row l. x is float32 [tokens, K].
-template <int Bits>
-void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, const float* x, int64_t k,
-           int64_t tokens, float* sum) {
+template <class Groups>
+void block(const uint8_t* codes, const Groups& scales, const float* x, int64_t k, int64_t tokens, float* sum) {
   lanes w[kChunkGroups * kGroup * kParts];
   std::fill(sum, sum + tokens * kRows, 0.f);
   const int64_t groups = k / kGroup;
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
     const int64_t count = std::min<int64_t>(kChunkGroups, groups - g0), inputs = count * kGroup;
-    widen<Bits>(codes, scales, minimums, g0, count, w);
+    widen(codes, scales, g0, count, w);
     int64_t t0 = 0;
     for (; t0 + kTile <= tokens; t0 += kTile) multiply<kTile>(w, inputs, x, k, g0 * kGroup, t0, sum);
     switch (tokens - t0) {  // the last tokens, fewer than a pass
@@ -137,31 +203,41 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
   }
 }
 
-template <int Bits>
-torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                     const at::Half* minimums, int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), name,
-              ": inputs must be on the CPU");
+// The weight's blocks of 16 rows and groups of 32 inputs, x and out_features checked.
+struct Shape {
+  int64_t blocks, groups;
+};
+
+Shape check_x(const char* name, const torch::Tensor& x, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": inputs must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), name,
               ": x must be [tokens, in] bfloat16 or float32");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              name, ": codes uint8, scales float16, contiguous, 2-d");
-  TORCH_CHECK(out_features >= 1 && x.size(1) >= kGroup, name, ": out_features must be >= 1 and in >= ", kGroup);
-  const int64_t tokens = x.size(0), k = x.size(1), n = out_features, blocks = (n + kRows - 1) / kRows;
-  TORCH_CHECK(k % kGroup == 0 && codes.size(0) == blocks && codes.size(1) == k / kGroup * group_bytes<Bits>() &&
-                  scales.size(0) == blocks && scales.size(1) == k / kGroup * kRows,
-              name, ": shapes do not match");
-  TORCH_CHECK(tokens >= 1, name, ": no tokens");
+  TORCH_CHECK(out_features >= 1 && x.size(1) >= kGroup && x.size(1) % kGroup == 0, name,
+              ": out_features must be >= 1 and in a multiple of ", kGroup);
+  TORCH_CHECK(x.size(0) >= 1, name, ": no tokens");
+  return {(out_features + kRows - 1) / kRows, x.size(1) / kGroup};
+}
+
+// One of the weight's tensors: [blocks, per_block] of `dtype`, contiguous, on the CPU.
+void check_part(const char* name, const char* what, const torch::Tensor& t, at::ScalarType dtype, int64_t blocks,
+                int64_t per_block) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.dim() == 2, name, ": ",
+              what, " must be ", dtype, ", contiguous, 2-d, on the CPU");
+  TORCH_CHECK(t.size(0) == blocks && t.size(1) == per_block, name, ": shapes do not match (", what, ")");
+}
+
+template <class Groups>
+torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const Groups& scales,
+                     int64_t out_features) {
+  const Shape shape = check_x(name, x, out_features);
+  check_part(name, "codes", codes, at::kByte, shape.blocks, shape.groups * group_bytes<Groups::kBits>());
+  const int64_t tokens = x.size(0), k = x.size(1), n = out_features, groups = shape.groups;
   const auto xf = x.to(at::kFloat).contiguous();  // exact: bfloat16 is float32's top half
   auto out = torch::empty({tokens, n}, x.options());
   const float* xp = xf.data_ptr<float>();
   const auto* cp = codes.data_ptr<uint8_t>();
-  const auto* sp = scales.data_ptr<at::Half>();
-  const int64_t groups = k / kGroup;
   auto pass = [&](int64_t b, float* sum) {
-    block<Bits>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
-                minimums == nullptr ? nullptr : minimums + b * groups * kRows, xp, k, tokens, sum);
+    block(cp + b * groups * group_bytes<Groups::kBits>(), scales.at(b, groups), xp, k, tokens, sum);
   };
   if (x.scalar_type() == at::kFloat)
     tinyserve::for_each_row_block(n, tokens, out.data_ptr<float>(), pass);
@@ -174,13 +250,34 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
 
 torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const torch::Tensor& minimums, int64_t out_features) {
-  TORCH_CHECK(minimums.device().is_cpu() && minimums.scalar_type() == at::kHalf && minimums.is_contiguous() &&
-                  minimums.sizes() == scales.sizes(),
-              "w4a16_matmul: minimums float16, contiguous, shaped as the scales");
-  return matmul<4>("w4a16_matmul", x, codes, scales, minimums.data_ptr<at::Half>(), out_features);
+  const char* name = "w4a16_matmul";
+  const Shape shape = check_x(name, x, out_features);
+  check_part(name, "scales", scales, at::kHalf, shape.blocks, shape.groups * kRows);
+  check_part(name, "minimums", minimums, at::kHalf, shape.blocks, shape.groups * kRows);
+  return matmul(name, x, codes, Int4Groups{scales.data_ptr<at::Half>(), minimums.data_ptr<at::Half>()},
+                out_features);
 }
 
 torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            int64_t out_features) {
-  return matmul<8>("w8a16_matmul", x, codes, scales, nullptr, out_features);
+  const char* name = "w8a16_matmul";
+  const Shape shape = check_x(name, x, out_features);
+  check_part(name, "scales", scales, at::kHalf, shape.blocks, shape.groups * kRows);
+  return matmul(name, x, codes, Int8Groups{scales.data_ptr<at::Half>()}, out_features);
+}
+
+torch::Tensor w4a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                                      const torch::Tensor& dmin, const torch::Tensor& sub_scales,
+                                      const torch::Tensor& sub_mins, int64_t out_features) {
+  const char* name = "w4a16_superblock_matmul";
+  const Shape shape = check_x(name, x, out_features);
+  TORCH_CHECK(shape.groups % kSuperGroups == 0, name, ": in must be a multiple of ", kSuperGroups * kGroup);
+  check_part(name, "d", d, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
+  check_part(name, "dmin", dmin, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
+  check_part(name, "sub_scales", sub_scales, at::kByte, shape.blocks, shape.groups * kRows);
+  check_part(name, "sub_mins", sub_mins, at::kByte, shape.blocks, shape.groups * kRows);
+  return matmul(name, x, codes,
+                SuperblockGroups{d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sub_scales.data_ptr<uint8_t>(),
+                                 sub_mins.data_ptr<uint8_t>()},
+                out_features);
 }

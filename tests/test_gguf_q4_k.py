@@ -1,0 +1,216 @@
+"""A GGUF's Q4_K tensors computed from their own codes and super-block scales (issue 45 piece 4): the file's
+bytes into SuperblockCodes without a float (loader/gguf/blocks.py), Int4SuperblockWeight holding them at ~the
+file's size, its W4A16 kernel (csrc/quantized_matmul_a16.cpp) against float64 on the file's values and the
+same bits for a token in any batch, and a Q4_K_M-like mix (Q4_K, Q6_K, Q4_0) loaded in w4a16 mode with each
+tensor in its own format."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from test_gguf import _write
+from test_gguf_dequant import REFERENCES, random_blocks
+from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
+
+from tinyserve.layers import ops
+from tinyserve.layers.linear import Linear
+from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int8Weight
+from tinyserve.loader.gguf.blocks import superblock_codes
+from tinyserve.loader.gguf.checkpoint import open_gguf
+
+ROWS, COLS = 21, 512  # odd rows (two blocks of 16, the second padded), two super-blocks a row
+BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
+needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C++ kernels are not built")
+
+
+def _blocks(seed: int) -> np.ndarray:
+    """[ROWS, bytes per row]: random codes, 6-bit scales and minimums, finite float16 d and dmin of either sign."""
+    return random_blocks(Q.Q4_K, ROWS * COLS, np.random.default_rng(seed)).reshape(ROWS, -1)
+
+
+def _matmul(x: torch.Tensor, weight: Int4SuperblockWeight) -> torch.Tensor:
+    from tinyserve.layers.kernels.cpu_kernels import w4a16_superblock_matmul
+
+    return w4a16_superblock_matmul(x, weight.codes, weight.d, weight.dmin, weight.sub_scales, weight.sub_mins,
+                                   weight.out_features)
+
+
+def test_superblock_codes_stand_for_the_file_s_values_exactly():
+    """ggml's float32 values bit for bit (d * sc and dmin * m are exact, then one rounding), and float64's exact
+    value rounded once to float32."""
+    blocks = _blocks(0)
+    values = superblock_codes(blocks).dequantized()
+    assert torch.equal(values, torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_K)))
+    exact = torch.from_numpy(REFERENCES[Q.Q4_K](blocks.reshape(-1, BLOCK_BYTES))).reshape(ROWS, COLS)
+    assert ((values.double() - exact).abs() <= 2.0 ** -24 * exact.abs()).all()
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 7, 13])
+def test_the_kernel_computes_with_the_file_s_values(tokens, dtype):
+    """Against float64 on the file's exact values. Each weight is rounded once to float32 (relative 2^-24) and
+    each of the COLS products is added into a float32 sum with one rounding (FMA), so the error is at most
+    (COLS + 2) * 2^-24 * sum_k |x_k w_k| (the classic bound for a recursive sum, with a term to spare); a
+    bfloat16 output adds its own rounding, 2^-8 of the value."""
+    blocks = _blocks(1)
+    weight = Int4SuperblockWeight.from_codes(superblock_codes(blocks))
+    values = torch.from_numpy(REFERENCES[Q.Q4_K](blocks.reshape(-1, BLOCK_BYTES))).reshape(ROWS, COLS)
+    x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    got = _matmul(x, weight)
+    assert got.dtype == dtype and tuple(got.shape) == (tokens, ROWS)
+    exact = x.double() @ values.T
+    bound = (COLS + 2) * 2.0 ** -24 * (x.double().abs() @ values.abs().T)
+    if dtype == torch.bfloat16:
+        bound += 2.0 ** -8 * exact.abs()
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@needs_int_kernels
+def test_a_token_s_output_is_the_same_bits_in_any_batch():
+    """Each (token, row) sum runs over the inputs in one order whatever the step's size or tiling."""
+    weight = Int4SuperblockWeight.from_codes(superblock_codes(_blocks(2)))
+    x = torch.randn(64, COLS, generator=torch.Generator().manual_seed(2))
+    full = _matmul(x, weight)
+    for n in range(1, 65):
+        assert torch.equal(_matmul(x[:n], weight), full[:n]), n
+    for t in (1, 30, 63):
+        assert torch.equal(_matmul(x[t:t + 1], weight), full[t:t + 1]), t
+
+
+def test_the_format_holds_the_file_s_bytes_and_2_8_percent_more():
+    """148 bytes per 256 weights of a row for the file's 144: the 12 bytes of packed 6-bit values kept as 16,
+    a byte each. ROWS pads to 32 rows (the kernel's blocks of 16), so per row."""
+    blocks = _blocks(3)
+    weight = Int4SuperblockWeight.from_codes(superblock_codes(blocks))
+    per_row = weight.nbytes / (weight.codes.shape[0] * 16)
+    assert per_row == blocks.shape[1] * 148 / 144 <= blocks.shape[1] * 1.03
+
+
+def q4_k_bytes(w: np.ndarray) -> np.ndarray:
+    """A plain Q4_K quantizer (gguf-py has none): per sub-block of 32, scale (max - min) / 15 and minimum -min
+    (min clipped to <= 0); per super-block, d and dmin the largest of those / 63, each sub-block's a 6-bit
+    multiple of them; codes rounded to the nearest step. Packed as ggml's blocks (loader/gguf/blocks.py)."""
+    rows, cols = w.shape
+    tiny = np.float32(1e-30)
+    sub = w.astype(np.float32).reshape(rows, cols // 256, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale, minimum = (sub.max(-1) - low) / 15, -low
+    d, dmin = (scale.max(-1) / 63).astype(np.float16), (minimum.max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), tiny)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(minimum / np.maximum(dmin.astype(np.float32), tiny)[..., None]), 0, 63).astype(np.uint8)
+    step, offset = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.round((sub + offset[..., None]) / np.maximum(step, tiny)[..., None]), 0, 15).astype(np.uint8)
+    packed = [sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+              (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)]
+    nibbles = q.reshape(rows, cols // 256, 4, 2, 32)
+    qs = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).reshape(rows, cols // 256, 128)
+    block = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), *packed, qs], axis=-1)
+    return block.reshape(rows, -1)
+
+
+def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """Q4_K by q4_k_bytes; Q6_K as random codes with a small d (weights within ~0.05); the rest gguf-py's."""
+    if qtype == Q.Q4_K:
+        return q4_k_bytes(w)
+    if qtype == Q.Q6_K:
+        rows, cols = w.shape
+        data = np.random.default_rng(rows * cols).integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+        data[..., 208:210] = np.frombuffer(np.float16(1e-5).tobytes(), dtype=np.uint8)
+        return data.reshape(rows, -1)
+    return gguf.quants.quantize(w, qtype)
+
+
+def test_the_test_s_quantizer_writes_q4_k_near_its_input():
+    w = np.random.default_rng(0).normal(0, 0.02, size=(4, 512)).astype(np.float32)
+    values = gguf.quants.dequantize(q4_k_bytes(w), Q.Q4_K).reshape(w.shape)
+    assert np.abs(values - w).max() <= 0.1 * np.abs(w).max()
+
+
+# a Q4_K_M-like mix: Q4_K but for a V and a down projection and the head at Q6_K and two tensors at Q4_0
+_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+MIX = {f"blk.{layer}.{part}.weight": Q.Q4_K for layer in (0, 1) for part in _PARTS} | {
+    "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K, "output.weight": Q.Q6_K,
+    "blk.1.attn_output.weight": Q.Q4_0, "blk.1.ffn_up.weight": Q.Q4_0, "token_embd.weight": Q.Q4_K}
+# our module -> its format in w4a16 mode: Q4_K's own where every shard is Q4_K; a shard above 4 bits: int8;
+# else int4, where a Q4_0 shard keeps its own codes and a Q4_K shard is quantized by int4's rule
+W4A16_FORMATS = {
+    "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.0.self_attn.o_proj": Int4SuperblockWeight,
+    "model.layers.0.mlp.gate_up_proj": Int4SuperblockWeight, "model.layers.0.mlp.down_proj": Int8Weight,
+    "model.layers.1.self_attn.qkv_proj": Int4SuperblockWeight, "model.layers.1.self_attn.o_proj": Int4Weight,
+    "model.layers.1.mlp.gate_up_proj": Int4Weight, "model.layers.1.mlp.down_proj": Int4SuperblockWeight,
+    "lm_head": Int8Weight,
+}
+# the tensor types a format takes code for code; a shard of any other is quantized by its rule
+TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}, Int4SuperblockWeight: {Q.Q4_K}}
+
+
+@pytest.fixture(scope="module")
+def mixed_path(tmp_path_factory):
+    """A tiny random Llama whose matrices take 256 inputs or more (a super-block), written as MIX."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return _write(tmp_path_factory.mktemp("q4k") / "mixed.gguf", model, types=MIX, quantize=_quantize)
+
+
+@needs_int_kernels
+def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
+    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
+    assert _formats(model) == W4A16_FORMATS
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert all(m.weight.is_meta for m in linears.values())
+    # the Q4_K linears hold their file's bytes and 148/144 of them (every row count here a multiple of 16)
+    stored = {t.name: t.data.nbytes for t in open_gguf(mixed_path).tensors}
+    for name, fmt in W4A16_FORMATS.items():
+        if fmt is Int4SuperblockWeight:
+            file_bytes = sum(stored[gguf_name] for gguf_name in _gguf_names(name))
+            assert linears[name].weight_format.nbytes == file_bytes * 148 // 144
+
+
+@needs_int_kernels
+def test_the_q4_k_linears_load_without_a_float(mixed_path, monkeypatch):
+    """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
+    from tinyserve.loader.gguf import checkpoint
+
+    dequantized, dequantize = set(), checkpoint._dequantize
+
+    def recorded(tensor, *args, **kwargs):
+        dequantized.add(tensor.name)
+        return dequantize(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_dequantize", recorded)
+    _build(mixed_path, dtype=torch.float32, quantization="w4a16")
+    superblock_tensors = {gguf_name for name, fmt in W4A16_FORMATS.items() if fmt is Int4SuperblockWeight
+                          for gguf_name in _gguf_names(name)}
+    assert superblock_tensors and not superblock_tensors & dequantized
+    assert "blk.0.attn_q.weight" in dequantized  # a Q4_K shard of an int8 linear (its V is Q6_K) is
+
+
+def _gguf_names(module: str) -> list[str]:
+    """A block linear's GGUF tensors (a merged one's shards)."""
+    _, _, layer, rest = module.split(".", 3)
+    parts = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+             "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}[rest]
+    return [f"blk.{layer}.{part}.weight" for part in parts]
+
+
+@needs_int_kernels
+def test_int4_mode_keeps_requantizing_q4_k(mixed_path):
+    """int4 (int8 activations) has no super-block kernel: a Q4_K linear is requantized to Int4Weight by rows."""
+    expected = {name: Int4Weight if fmt is Int4SuperblockWeight else fmt for name, fmt in W4A16_FORMATS.items()}
+    assert _formats(_build(mixed_path, dtype=torch.bfloat16, quantization="int4")) == expected
+
+
+@needs_int_kernels
+def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
+    """The logits of the w4a16 load against float32 on the file's dequantized values, each shard of a linear
+    then set to its format's values where the format does not take its type's codes as they are (its rule, as
+    tests/test_quant.py checks a uniform mode): Q4_K linears computed from their own codes give the file's
+    values, so only the order of the sums differs."""
+    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
+    assert_logits_match_the_formats_values(model, mixed_path, W4A16_FORMATS, TAKEN_AS_CODES, 1e-5)
