@@ -2,6 +2,8 @@
 
     python benchmarks/real_size_compare.py FILE.gguf [FILE.gguf ...] [--runs 3] [--servers tinyserve llama-server]
 
+(`--servers tinyserve-int4` adds the speed mode, `--quantization int4`: activations rounded to int8 per 32.)
+
 For each file and each run, each server in turn is started (never two at once), and measured:
 - ready: seconds from starting the process to the first 200 on /health (tinyserve answers 503 until its
   warm-up has run; llama-server until the model is loaded);
@@ -49,10 +51,13 @@ WORKLOADS = {  # name -> tinyserve bench serve arguments
 }
 
 
+SPEED_MODES = {"tinyserve": [], "tinyserve-int4": ["--quantization", "int4"]}  # name -> its flags
+
+
 def server_command(server: str, model: Path, port: int) -> list[str]:
-    if server == "tinyserve":
+    if server in SPEED_MODES:
         return [str(Path(sys.executable).with_name("tinyserve")), "serve", "--model", str(model), "--port", str(port),
-                "--max-model-len", "8192", "--kv-cache-memory", "1"]  # the 1 GiB pool of the recorded runs
+                "--max-model-len", "8192", "--kv-cache-memory", "1", *SPEED_MODES[server]]  # the recorded runs' 1 GiB pool
     return [str(LLAMA_SERVER), "-m", str(model), "-t", "2", "-np", "16", "-c", "8192", "--port", str(port)]
 
 
@@ -234,7 +239,7 @@ def recorded_command(server: str, port: int) -> str:
 def save(out: Path, runs: list[Run], port: int) -> None:
     """The runs (this invocation's after any already in out) to out (JSON) and the table beside it (.md)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"commands": {s: recorded_command(s, port) for s in ("tinyserve", "llama-server")},
+    record = {"commands": {s: recorded_command(s, port) for s in (*SPEED_MODES, "llama-server")},
               "workloads": WORKLOADS, "runs": [dataclasses.asdict(r) for r in runs], "table": table(runs)}
     out.write_text(json.dumps(record, indent=1) + "\n")
     out.with_suffix(".md").write_text(record["table"] + "\n")
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--servers", nargs="+", choices=["tinyserve", "llama-server"],
+    parser.add_argument("--servers", nargs="+", choices=[*SPEED_MODES, "llama-server"],
                         default=["tinyserve", "llama-server"])
     parser.add_argument("--port", type=int, default=8291)
     parser.add_argument("--rss-limit-gib", type=float, default=16.0)

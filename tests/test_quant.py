@@ -71,21 +71,23 @@ def _kernel_formula(x: torch.Tensor, weight: torch.Tensor, fmt) -> torch.Tensor:
     return (dots * scale * (amax[..., 0] / 127)[:, None]).sum(-1) + xg.sum(-1) @ minimum.t()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", [Int4Weight, Int8Weight])
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (40, 96), (16, 32), (960, 576)])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 19, 64])
-def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens):
+def test_int_kernels_match_their_formula(fmt, out_features, in_features, tokens, dtype):
     """Every output row (40: a block of 16 padded; 96 inputs: an odd number of groups) for token counts
-    within one pass of 8 and across passes (19), to the rounding of the bfloat16 output; 64 x 576 inputs
-    are rounded to int8 on all threads."""
+    within one pass of 8 and across passes (19), to the rounding of the output (bfloat16; float32: the
+    order of the float sums); 64 x 576 inputs are rounded to int8 on all threads."""
     torch.manual_seed(out_features + tokens)
     weight = torch.randn(out_features, in_features) * 0.05
-    x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
+    x = torch.randn(tokens, in_features, dtype=dtype)
     x[0, :32] = 0  # an all-zero input group: scale 0, no division by zero
     expected = _kernel_formula(x, weight, fmt)
     got = ops.linear(x, fmt.quantize(weight)[0])
-    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
-    assert ((got.float() - expected).abs() <= expected.abs() / 256 + 1e-5 * expected.abs().max()).all()
+    assert got.dtype == dtype and got.shape == (tokens, out_features)
+    relative = 1 / 256 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.float() - expected).abs() <= expected.abs() * relative + 1e-5 * expected.abs().max()).all()
 
 
 needs_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C++ kernels are not built here")
@@ -132,14 +134,16 @@ def test_w4a16_gives_a_token_the_same_bits_in_any_step_shape():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", [Int4Weight, Int8Weight, Int8ChannelWeight])
-def test_int_kernels_give_a_token_the_same_bits_in_any_step_shape(fmt):
+@pytest.mark.parametrize("fmt, dtype", [(Int4Weight, torch.bfloat16), (Int8Weight, torch.bfloat16),
+                                        (Int8ChannelWeight, torch.bfloat16), (Int4Weight, torch.float32),
+                                        (Int8Weight, torch.float32)])
+def test_int_kernels_give_a_token_the_same_bits_in_any_step_shape(fmt, dtype):
     """As test_w4a16_gives_a_token_the_same_bits_in_any_step_shape, for the kernels that round the inputs
     to int8: every token count from 1 to 64 (the kernels take tokens 8, 4 or 3 at a time), rows not a
     multiple of a block's 16."""
     torch.manual_seed(4)
     weight = fmt.quantize(torch.randn(200, 256) * 0.05)[0]
-    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    x = torch.randn(64, 256, dtype=dtype)
     whole = ops.linear(x, weight)
     for size in range(1, 65):
         assert torch.equal(torch.cat([ops.linear(x[a : a + size], weight) for a in range(0, 64, size)]), whole), size
@@ -199,8 +203,8 @@ def test_our_matmul_kernels_refuse_what_they_are_not_built_for(pack):
         ops.linear(torch.empty(0, 64, dtype=torch.bfloat16), quantized)
     with pytest.raises(RuntimeError, match="shapes"):
         ops.linear(torch.randn(1, 96, dtype=torch.bfloat16), quantized)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.linear(torch.randn(1, 64), quantized)
+    with pytest.raises(RuntimeError, match="bfloat16"):  # int4 and int8 take float32 too, not float16
+        ops.linear(torch.randn(1, 64, dtype=torch.float16), quantized)
 
 
 def _q4_1_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -291,8 +295,9 @@ def test_the_lm_head_is_the_one_its_model_marks(tiny_llama):
 def test_quantization_needs_cpu_bfloat16():
     check_quantization(None, torch.float32, torch.device("cuda"))  # unquantized: anything goes
     check_quantization("int4", torch.bfloat16, torch.device("cpu"))
+    check_quantization("int4", torch.float32, torch.device("cpu"))  # its kernels round float32 inputs too
     with pytest.raises(ValueError, match="bfloat16"):
-        check_quantization("int4", torch.float32, torch.device("cpu"))
+        check_quantization("int8", torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU"):
         check_quantization("int8", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(ValueError, match="int8, int4"):
@@ -301,16 +306,17 @@ def test_quantization_needs_cpu_bfloat16():
         EngineConfig(quantization="q4_k")
 
 
-@needs_bf16
-def test_int4_default_model_through_the_engine(smollm2_fp32):
-    """The int4 model runs through the whole engine: its greedy tokens are those of the reference loop on
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])
+def test_int4_default_model_through_the_engine(smollm2_fp32, dtype):
+    """The int4 model runs through the whole engine, at bfloat16 (its default where bf16 kernels exist) and
+    at float32 (the speed mode on a CPU without them): its greedy tokens are those of the reference loop on
     the same model, and where they leave the float32 model's, each side's token is in the other's top 5.
     One prompt per generate(), so that the engine's steps have the reference's sizes."""
     from tinyserve import LLM
     from tinyserve.engine.greedy_reference import greedy_generate
     from tinyserve.types import SamplingParams
 
-    llm = LLM(quantization="int4", kv_cache_memory=0.1, max_model_len=1024)
+    llm = LLM(dtype=dtype, quantization="int4", kv_cache_memory=0.1, max_model_len=1024)
     prompts = ["The capital of France is", "def add(a, b):", "Water boils at"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = [llm.generate([prompt], params)[0] for prompt in prompts]

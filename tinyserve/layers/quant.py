@@ -281,13 +281,13 @@ class Int4SuperblockWeight:
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:
-    """int4 and int8 run on CPU at bfloat16 (their kernels round the activations to int8 from bfloat16);
-    w4a16 at bfloat16 or float32 (its kernels widen the weights to float32 and take either)."""
+    """On CPU: int4 and w4a16 at bfloat16 or float32 (int4's kernels round either to int8 per group; w4a16's
+    widen the weights to float32); int8 at bfloat16 (its per-row kernel, int8_channel_matmul, reads bfloat16)."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    dtypes = (torch.bfloat16, torch.float32) if quantization == "w4a16" else (torch.bfloat16,)
+    dtypes = (torch.bfloat16,) if quantization == "int8" else (torch.bfloat16, torch.float32)
     if device.type != "cpu" or dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"quantization {quantization!r} runs on CPU with dtype {names} (or auto), "

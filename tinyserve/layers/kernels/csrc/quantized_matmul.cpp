@@ -48,13 +48,26 @@ __attribute__((optimize("no-fast-math"), noinline)) float exact_divide(float a, 
 // layer; one by one on one thread, that was a measurable share of the int linears' time at 64-512 tokens
 // (docs/PERFORMANCE.md, "Numbers behind the code's comments"), so groups are rounded a vector at a time,
 // on all threads when there are many.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // 16 bfloat16: a float's upper half each
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // 8 bfloat16: a float's upper half each
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
 struct QuantizedInputs {
   int64_t groups;
   std::vector<int8_t> values;       // [tokens, K]
   std::vector<float> scales, sums;  // [tokens, G]
   std::vector<int32_t> value_sums;  // [tokens, G]
 
-  QuantizedInputs(const c10::BFloat16* x, int64_t tokens, int64_t k)
+  template <typename T>  // bfloat16 or float32 inputs; bfloat16 widens to float32 exactly, so both round alike
+  QuantizedInputs(const T* x, int64_t tokens, int64_t k)
       : groups(k / kGroup), values(tokens * k), scales(tokens * groups), sums(tokens * groups),
         value_sums(tokens * groups) {
     const int64_t count = tokens * groups;
@@ -66,11 +79,10 @@ struct QuantizedInputs {
   }
 
  private:
-  void round_group(const c10::BFloat16* in, int64_t tg) {
+  template <typename T>
+  void round_group(const T* in, int64_t tg) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    const __m512i raw = _mm512_loadu_si512(in);  // 32 bfloat16: a float's upper half each
-    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const __m512 a = load16(in), b = load16(in + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float inverse = amax > 0.f ? exact_divide(127.f, amax) : 0.f;
     // one rounding of x * inverse, to nearest even (the default mode), as nearbyint below
@@ -82,9 +94,8 @@ struct QuantizedInputs {
     value_sums[tg] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 #elif defined(__AVX2__)
     __m256 v[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {  // 8 bfloat16 each: a float's upper half
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 8 * i));
-      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(in + 8 * i);
       top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
       total = _mm256_add_ps(total, v[i]);
     }
@@ -262,7 +273,8 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
                      const at::Half* minimums, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
               name, ": inputs must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [tokens, in] bfloat16");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), name,
+              ": x must be [tokens, in] bfloat16 or float32");
   TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.scalar_type() == at::kByte &&
                   scales.scalar_type() == at::kHalf && codes.is_contiguous() && scales.is_contiguous(),
               name, ": codes uint8, scales float16, contiguous, 2-d");
@@ -274,15 +286,17 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
               name, ": shapes do not match");
   TORCH_CHECK(tokens >= 1, name, ": no tokens");
   const auto xc = x.contiguous();
-  const QuantizedInputs in(xc.data_ptr<c10::BFloat16>(), tokens, k);
   auto out = torch::empty({tokens, n}, x.options());
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
-  auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t groups = k / kGroup;
-  tinyserve::for_row_blocks(n, tokens, op, [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
-    block<Bits, decltype(tokens_in_pass)::value>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
-                                                 minimums == nullptr ? nullptr : minimums + b * groups * kRows, in, t0, o);
+  tinyserve::dispatch_float_types(x, name, [&](auto element) {
+    using T = decltype(element);
+    const QuantizedInputs in(xc.data_ptr<T>(), tokens, k);
+    tinyserve::for_row_blocks(n, tokens, out.data_ptr<T>(), [&](int64_t b, int64_t t0, auto tokens_in_pass, float* o) {
+      block<Bits, decltype(tokens_in_pass)::value>(cp + b * groups * group_bytes<Bits>(), sp + b * groups * kRows,
+                                                   minimums == nullptr ? nullptr : minimums + b * groups * kRows, in, t0, o);
+    });
   });
   return out;
 }
