@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +27,8 @@ from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kep
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int8ChannelWeight, Int8Weight,
                                     SuperblockCodes, int4_group_codes, int8_group_codes)
 
-if TYPE_CHECKING:
-    from tinyserve.loader.weights import TensorSource
 
+Decoder = Callable[[Any, Any], "GroupCodes | SuperblockCodes"]  # (fetched bytes, rows) -> codes
 _RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
 _BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each format holds
 
@@ -81,12 +80,13 @@ class StagedLinear:
                                 torch.empty(rows, groups, **halves),
                                 torch.empty(rows, groups, **halves) if bits == 4 else None)
 
-    def codes_decoder(self, source: TensorSource) -> Callable[[Any, Any], GroupCodes | SuperblockCodes] | None:
-        """The source's decoder into codes this format copies in as they are (group codes of its bits, or Q4_K's
-        super-blocks); None: its rows come as float32."""
+    def codes_decoder(self, code_bits: int | None, decode_codes: Decoder | None,
+                      decode_superblocks: Decoder | None) -> Decoder | None:
+        """Of a source's decoders (TensorSource's fields of these names), the one into codes this format copies
+        in as they are (group codes of its bits, or Q4_K's super-blocks); None: its rows come as float32."""
         if self.fmt is Int4SuperblockWeight:
-            return source.decode_superblocks
-        return source.decode_codes if source.code_bits == _BITS.get(self.fmt) else None
+            return decode_superblocks
+        return decode_codes if code_bits == _BITS.get(self.fmt) else None
 
     def write(self, row: int, piece: torch.Tensor | GroupCodes | SuperblockCodes) -> None:
         """Rows [row, row + len(piece)) of the weight: float32 values, or codes of this format's kind."""

@@ -214,7 +214,7 @@ def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
         staging = staged.get(match.owner) if match.owner is not None else None
         as_codes = None
         if staging is not None and source is not None and match.part is None:
-            as_codes = staging.codes_decoder(source)
+            as_codes = staging.codes_decoder(source.code_bits, source.decode_codes, source.decode_superblocks)
         for fetch, finish, rows in _pieces(match, as_codes):
             if reads is None:
                 fetched = fetch()
