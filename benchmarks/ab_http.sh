@@ -3,12 +3,14 @@
 # 64 prompts of 256, 128 out), both servers up at once, runs interleaved by `tinyserve bench sweep`, 3 each.
 # Usage: benchmarks/ab_http.sh OLD_CHECKOUT NEW_CHECKOUT [OUT_DIR]   (e.g. a `git worktree add` of the old commit)
 # Each checkout's code runs from the project venv with PYTHONPATH set to it and its own kernel build cache.
+# --kv-cache-memory 1: the fixed 1 GiB pool of the recorded runs (auto would give each server half of what is
+# free: two such servers do not fit this 24 GiB machine, and the first was OOM-killed).
 set -euo pipefail
 OLD=$1; NEW=$2; OUT=${3:-bench-results/ab}
 PY=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python
 mkdir -p "$OUT"
 serve() {  # label checkout port
-  (cd "$2" && PYTHONPATH="$2" TORCH_EXTENSIONS_DIR="/tmp/torch_ext/ab-$1" "$PY" -m tinyserve.cli serve --port "$3" \
+  (cd "$2" && PYTHONPATH="$2" TORCH_EXTENSIONS_DIR="/tmp/torch_ext/ab-$1" "$PY" -m tinyserve.cli serve --port "$3" --kv-cache-memory 1 \
     > "$OUT/$1.server.log" 2>&1) &
 }
 serve old "$OLD" 8101; serve new "$NEW" 8102
