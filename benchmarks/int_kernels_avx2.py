@@ -2,7 +2,7 @@
 an 8192 x 2048 and a 2048 x 8192 weight (out x in: a 1B's gate/up and down_proj) at 1, 4, 16 and 64 tokens:
 medians of 5, in ms. Whichever checkout is on PYTHONPATH gives the kernels, so a branch against main, side by side:
 
-    PYTHONPATH=/work/main .venv/bin/python benchmarks/int_kernels_avx2.py [threads]   # before (main's csrc)
+    PYTHONPATH=path/to/main-checkout .venv/bin/python benchmarks/int_kernels_avx2.py [threads]   # before
     PYTHONPATH=. .venv/bin/python benchmarks/int_kernels_avx2.py [threads]            # after
 
 threads: torch's (and so the kernels' OpenMP) thread count, default all cores. On a machine shared with other

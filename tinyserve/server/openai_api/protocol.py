@@ -449,7 +449,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatBookkeepingFields, RouterField
             raise BadRequest(f"{asked[1]}: a structured output cannot be combined with tool_choice "
                              f"{self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}",
                              param=asked[1])
-        return self._within_limits((forced, "tools")) if forced is not None else self._within_limits(asked)
+        return self._within_limits((forced, "tools") if forced is not None else asked)
 
 
 
