@@ -27,11 +27,13 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16
 
 @pytest.mark.parametrize("need, headroom, expected", [
     (2 * GIB, 100 * GIB, 2 * GIB),  # what max_num_seqs full contexts need, no more
-    (100 * GIB, 10 * GIB, 5 * GIB),  # half of the headroom
+    (100 * GIB, 6 * GIB, 3 * GIB),  # half of the headroom
+    (100 * GIB, 20 * GIB, 4 * GIB),  # half would be 10 GiB: the 4 GiB ceiling
+    (3 * GIB, 20 * GIB, 3 * GIB),  # under the ceiling, what max_num_seqs contexts need
     (100 * GIB, 1.5 * GIB, 1 * GIB),  # the 1 GiB floor: half would be 0.75 GiB
     (100 * GIB, 0.6 * GIB, 0.6 * GIB),  # less than the floor is left: what is left
     (100 * GIB, -1 * GIB, 0),  # nothing left
-], ids=["capped-by-max-num-seqs", "fraction", "floor", "under-the-floor", "none-left"])
+], ids=["capped-by-max-num-seqs", "fraction", "ceiling", "need-under-ceiling", "floor", "under-the-floor", "none-left"])
 def test_auto_picks_the_documented_pool_in_each_regime(need, headroom, expected):
     assert auto_kv_bytes(int(need), int(headroom), CacheConfig()) == int(expected)
 

@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fals
     g.add_argument("--kv-cache-memory", type=kv_cache_memory, default="auto", metavar="GIB|auto",
                    help=f"KV cache pool in GiB, or auto (default): on CPU what --max-num-seqs full contexts need, "
                         f"at most {CacheConfig.memory_fraction:.0%}% of the memory left after the weights (at least "
-                        f"{CacheConfig.cpu_kv_cache_memory_gib:g} GiB where that much is left; within "
+                        f"{CacheConfig.cpu_kv_cache_memory_gib:g} GiB where that much is left, at most "
+                        f"{CacheConfig.cpu_kv_cache_max_gib:g} GiB; within "
                         f"--memory-budget's share, all of it), on CUDA {CacheConfig.memory_fraction:.0%}% of "
                         "the free memory; a model whose context needs more starts with the context that fits")  # "%%": argparse
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)

@@ -207,10 +207,12 @@ class CacheConfig:
     # The KV pool in GiB; None: auto (`--kv-cache-memory auto`). Auto on CUDA: memory_fraction of the free device
     # memory after the weights. Auto on CPU (engine/memory/fit_check.py): what max_num_seqs full contexts need, no
     # more; memory_fraction of what the process may still use after the weights and activations, but at least
-    # cpu_kv_cache_memory_gib where that much is left; within memory_share_gib, all of the share left.
+    # cpu_kv_cache_memory_gib where that much is left and at most cpu_kv_cache_max_gib (a small model on a large
+    # machine does not hold half of it); within memory_share_gib, all of the share left.
     kv_cache_memory_gib: float | None = None
     memory_fraction: float = 0.5  # of free memory, when no explicit budget is given
     cpu_kv_cache_memory_gib: float = 1.0  # auto's floor on CPU, where memory allows
+    cpu_kv_cache_max_gib: float = 4.0  # auto's ceiling on CPU outside a --memory-budget (vLLM's CPU KV space)
     # this model's share of the server's --memory-budget (weights + KV pool + activations), set by the
     # registry (server/registry/model_registry.py); None: no budget
     memory_share_gib: float | None = None
@@ -227,8 +229,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if self.memory_share_gib is not None and self.memory_share_gib <= 0:
             raise ValueError(f"memory_share_gib must be > 0 GiB, got {self.memory_share_gib}")
-        if self.cpu_kv_cache_memory_gib <= 0:
-            raise ValueError(f"cpu_kv_cache_memory_gib must be > 0, got {self.cpu_kv_cache_memory_gib}")
+        if not 0 < self.cpu_kv_cache_memory_gib <= self.cpu_kv_cache_max_gib:
+            raise ValueError(f"cpu_kv_cache_memory_gib must be in (0, cpu_kv_cache_max_gib "
+                             f"{self.cpu_kv_cache_max_gib:g}], got {self.cpu_kv_cache_memory_gib}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_blocks is not None and self.num_blocks < 1:

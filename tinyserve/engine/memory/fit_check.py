@@ -113,12 +113,14 @@ def activation_bytes(model: ModelConfig, scheduler: SchedulerConfig) -> int:
 def auto_kv_bytes(need_bytes: int, headroom_bytes: int, cache: CacheConfig) -> int:
     """`--kv-cache-memory auto` on CPU: what max_num_seqs full contexts need (need_bytes), no more; within a
     --memory-budget share all of the headroom (what the allowance leaves after weights and activations),
-    else memory_fraction of it but no less than cpu_kv_cache_memory_gib (1 GiB) where the headroom holds that;
+    else memory_fraction of it, no less than cpu_kv_cache_memory_gib (1 GiB) where the headroom holds that and
+    no more than cpu_kv_cache_max_gib (4 GiB: a small model on a large machine leaves the rest to others);
     never more than the headroom."""
     if cache.memory_share_gib is not None:
         wanted = headroom_bytes
     else:
-        wanted = max(int(cache.cpu_kv_cache_memory_gib * GIB), int(cache.memory_fraction * headroom_bytes))
+        fraction = min(int(cache.memory_fraction * headroom_bytes), int(cache.cpu_kv_cache_max_gib * GIB))
+        wanted = max(int(cache.cpu_kv_cache_memory_gib * GIB), fraction)
     return max(0, min(need_bytes, wanted, headroom_bytes))
 
 
