@@ -57,27 +57,47 @@ class GroupCodes:
     which a file's Q4_0 / Q4_1 / Q8_0 blocks convert to without any float (loader/gguf/blocks.py) and
     float weights quantize to (int4_group_codes, int8_group_codes), a block of rows at a time.
 
-    4 bits (Q4_1's rule): w = code * scale + minimum, code 0..15. 8 bits (Q8_0's): w = (code - 128) * scale,
-    the code stored plus 128 in a byte (the kernels multiply unsigned bytes); minimums None."""
+    4 bits (Q4_1's rule): w = code * scale + minimum, code 0..15, two a byte in the int4 kernels' order within
+    a group (byte 4c + b holds inputs 8c + b in its low nibble and 8c + b + 4 in its high: pack_nibbles).
+    8 bits (Q8_0's): w = (code - 128) * scale, the code stored plus 128 in a byte (the kernels multiply
+    unsigned bytes); minimums None."""
 
     bits: int
-    codes: torch.Tensor  # [rows, in] uint8
+    codes: torch.Tensor  # [rows, in / 2] (4 bits) or [rows, in] (8 bits) uint8
     scales: torch.Tensor  # [rows, in / 32] float16
     minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 bits), None (8 bits)
 
     @property
     def shape(self) -> tuple[int, int]:
         """[rows, in] of the matrix."""
-        return tuple(self.codes.shape)
+        rows, stored = self.codes.shape
+        return rows, stored * 8 // self.bits
 
     def dequantized(self) -> torch.Tensor:
         """The values the codes stand for, float32 [rows, in], as the kernels compute them."""
-        rows, in_features = self.codes.shape
-        groups = self.codes.reshape(rows, in_features // GROUP, GROUP).float()
+        rows, in_features = self.shape
+        codes = self.codes if self.bits == 8 else unpack_nibbles(self.codes)
+        groups = codes.reshape(rows, in_features // GROUP, GROUP).float()
         scale = self.scales.float()[..., None]
         if self.minimums is None:
             return ((groups - 128) * scale).reshape(rows, in_features)
         return (groups * scale + self.minimums.float()[..., None]).reshape(rows, in_features)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [rows, in] (0..15, any integer dtype) -> [rows, in / 2] uint8 in the int4 kernels' order:
+    per group of 32 inputs, 4 chunks of 4 bytes, byte 4c + b holding inputs 8c + b (low nibble) and
+    8c + b + 4 (high)."""
+    rows = codes.shape[0]
+    nibbles = codes.to(torch.uint8).reshape(rows, -1, 4, 2, 4)  # [row, group, chunk, nibble, byte]
+    return (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).reshape(rows, -1)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: [rows, in / 2] uint8 -> [rows, in] uint8 codes 0..15."""
+    rows = packed.shape[0]
+    chunks = packed.reshape(rows, -1, 4, 1, 4)  # [row, group, chunk, 1, byte]
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(rows, -1)
 
 
 def int8_group_codes(weight: torch.Tensor) -> GroupCodes:
@@ -102,7 +122,7 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 def int4_group_codes(weight: torch.Tensor) -> GroupCodes:
     """int4_codes with the scale and minimum rounded to float16, as Int4Weight keeps them."""
     codes, scale, minimum = int4_codes(weight)
-    return GroupCodes(4, codes.to(torch.uint8), scale.to(torch.float16), minimum.to(torch.float16))
+    return GroupCodes(4, pack_nibbles(codes), scale.to(torch.float16), minimum.to(torch.float16))
 
 
 @dataclass(frozen=True)
@@ -190,10 +210,8 @@ class Int4Weight:
         """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
         if codes.bits != 4 or codes.minimums is None:
             raise ValueError(f"Int4Weight takes 4-bit codes with minimums, got {codes.bits}-bit")
-        out_features, in_features = codes.codes.shape
-        # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
-        nibbles = codes.codes.reshape(out_features, -1, 4, 2, 4)
-        chunks = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+        out_features = codes.shape[0]
+        chunks = codes.codes.reshape(out_features, -1, 4, 4)  # [row, group, chunk, byte]: already in chunk order
         packed, (scales, minimums) = kernel_layout(chunks, [codes.scales, codes.minimums])
         return cls(packed, scales, minimums, out_features)
 
@@ -249,8 +267,7 @@ class SuperblockCodes:
         per_group = SUPERBLOCK // GROUP
         scale = self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()
         offset = -(self.dmin.float().repeat_interleave(per_group, 1) * self.sub_mins.float())
-        chunks = self.codes.reshape(rows, -1, 4, 1, 4)  # [row, group, chunk, 1, byte]
-        groups = torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(rows, -1, GROUP).float()
+        groups = unpack_nibbles(self.codes).reshape(rows, -1, GROUP).float()
         return torch.addcmul(offset[..., None], groups, scale[..., None]).reshape(rows, in_features)
 
 

@@ -76,7 +76,7 @@ class StagedLinear:
             return
         bits, groups = _BITS[self.fmt], inputs // GROUP
         halves = dict(dtype=torch.float16, device=device)
-        self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
+        self.codes = GroupCodes(bits, torch.empty(rows, inputs * bits // 8, dtype=torch.uint8, device=device),
                                 torch.empty(rows, groups, **halves),
                                 torch.empty(rows, groups, **halves) if bits == 4 else None)
 

@@ -4,7 +4,7 @@ few integer ops per weight instead of a dequantization and a second quantization
 
 ggml's blocks, 32 weights each, rows of whole blocks:
 - Q4_0 (18 bytes): float16 d, then 16 bytes of 4-bit codes q (weight j in byte j's low nibble, weight j + 16
-  in its high nibble); w = (q - 8) * d. As Q4_1's rule that is scale d and minimum -8 * d, both exact in
+  in its high nibble; GroupCodes keeps them two a byte in the kernels' order); w = (q - 8) * d. As Q4_1's rule that is scale d and minimum -8 * d, both exact in
   float16 (a power-of-two multiple), and the kernels' code * d + (-8 * d) rounds once to the exact (q - 8) * d.
 - Q4_1 (20 bytes): float16 d and m, then the codes as Q4_0's; w = q * d + m: our Int4Weight's own rule.
 - Q8_0 (34 bytes): float16 d, then 32 int8 codes; w = q * d. Our Int8Weight stores q + 128 in a byte,
@@ -34,21 +34,29 @@ _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GG
 
 def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes:
     """data: the tensor's rows as bytes, uint8 [rows, bytes per row] (GGUFTensor.data or rows of it) -> the
-    group codes of the same rows."""
+    group codes of the same rows. The bit work runs on 4-byte words, as superblock_codes' does (a fourth of
+    the elements of a byte-wise pass: it was most of a Q4_0 model's load time)."""
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
     scales = _halves(blocks[..., 0:2])
     if tensor_type == GGMLQuantizationType.Q8_0:
-        codes = blocks[..., 2:] ^ 0x80  # int8 q -> q + 128
-        return GroupCodes(8, codes.reshape(rows, -1), scales, None)
+        words = blocks[..., 2:].contiguous().view(torch.int32)
+        return GroupCodes(8, _bytes(words ^ _per_byte(0x80), rows), scales, None)  # int8 q -> q + 128
     if tensor_type == GGMLQuantizationType.Q4_1:
         minimums, packed = _halves(blocks[..., 2:4]), blocks[..., 4:]
     else:
         minimums, packed = (scales.float() * -8).to(torch.float16), blocks[..., 2:]
         if not bool(torch.isfinite(minimums).all()) and bool(torch.isfinite(scales).all()):
             raise ModelLoadError(f"tensor {name!r}: a Q4_0 scale over 8188 has no float16 minimum (-8 * d)")
-    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # weights 0..15, then 16..31 of each block
-    return GroupCodes(4, codes.reshape(rows, -1), scales, minimums)
+    # byte j of a block holds weights j (low nibble) and j + 16 (high); the kernels' byte 4c + b of a group
+    # holds its weights 8c + b (low) and 8c + b + 4 (high). In words w0..w3 (bytes 0-3 .. 12-15):
+    w0, w1, w2, w3 = packed.contiguous().view(torch.int32).unbind(-1)
+    low, high = _per_byte(0x0F), _per_byte(0xF0)
+    chunks = torch.stack([(w0 & low) | ((w1 & low) << 4),  # weights 0-3 and 4-7
+                          (w2 & low) | ((w3 & low) << 4),  # 8-11 and 12-15
+                          ((w0 >> 4) & low) | (w1 & high),  # 16-19 and 20-23
+                          ((w2 >> 4) & low) | (w3 & high)], dim=-1)  # 24-27 and 28-31
+    return GroupCodes(4, _bytes(chunks, rows), scales, minimums)
 
 
 _Q4_K_WORDS = 36  # 144 bytes: words 0 (d, dmin), 1-3 (the packed 6-bit values), 4-35 (the codes)
