@@ -38,10 +38,14 @@ def kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[tor
     rows, groups = chunks.shape[:2]
     blocks = -(-rows // KERNEL_ROWS)
     pad = blocks * KERNEL_ROWS - rows
-    chunks = F.pad(chunks, (0, 0, 0, 0, 0, 0, 0, pad))
-    codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, 4).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
-    return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, -1).transpose(1, 2)
-                                .reshape(blocks, -1).contiguous() for v in values]
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # rows to whole blocks (F.pad copies even when pad is 0)
+        return F.pad(t, (0,) * (2 * t.dim() - 1) + (pad,)) if pad else t
+
+    words = padded(chunks.contiguous().view(torch.int32).squeeze(-1))  # a lane's 4 bytes as one element
+    codes = words.reshape(blocks, KERNEL_ROWS, groups, -1).permute(0, 2, 3, 1).contiguous()
+    return codes.view(torch.uint8).reshape(blocks, -1), [
+        padded(v).reshape(blocks, KERNEL_ROWS, -1).transpose(1, 2).reshape(blocks, -1).contiguous() for v in values]
 
 
 def _grouped(weight: torch.Tensor) -> torch.Tensor:
