@@ -33,24 +33,47 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
 
 
 class RotaryEmbedding(DirectCall, nn.Module):
-    """The rotation for a step's positions, computed once per step and applied in every layer. The
-    cos/sin table is a plain attribute, not a buffer, so that a model built on the meta device and
-    materialized with to_empty() keeps it; it follows positions to their device."""
+    """The rotation for a step's positions, computed once per step and applied in every layer. The cos/sin
+    table is a plain attribute, not a buffer, so that a model built on the meta device and materialized with
+    to_empty() keeps it; it follows positions to their device. It is built at the first step, for the
+    positions the engine serves (limit_positions) or else all of the model's: a 128K-context file's full
+    table is 64-128 MiB that an engine serving 8K tokens would hold for nothing."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None):
         super().__init__()
-        # Built on the host even inside a `torch.device("meta")` block, then moved once to the device.
-        with torch.device("cpu"):
-            inv_freq = rope_inv_freq(head_dim, base, scaling)
-            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, head_dim/2]
+        self.head_dim, self.max_position, self.base, self.scaling = head_dim, max_position, base, scaling
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def limit_positions(self, max_position: int, device: torch.device) -> None:
+        """Serve positions below max_position only (an engine's max_model_len): the table is built (or cut) to
+        them now, on `device`, so that nothing is built inside a captured CUDA graph's first step."""
+        self.max_position = min(self.max_position, max_position)
+        if self.cos is None:
+            self._build(device)
+        else:
+            self.cos, self.sin = self.cos[:self.max_position].clone(), self.sin[:self.max_position].clone()
+
+    def _build(self, device: torch.device) -> None:
+        with torch.device("cpu"):  # on the host even inside a `torch.device("meta")` block, then moved once
+            inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
+            freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)  # [pos, head_dim/2]
         # Full width, with rotate-half's sign folded into sin: x * cos + roll(x, half) * sin is
         # (x1 cos - x2 sin, x2 cos + x1 sin) in 4 ops instead of 8, bit for bit the same.
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in dtype, for ops.rotary."""
-        if self.cos.device != positions.device:
+        if self.cos is None:
+            self._build(positions.device)
+        elif self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
+
+def limit_positions(model: nn.Module, max_position: int, device: torch.device) -> None:
+    """Every RotaryEmbedding of `model` serves positions below max_position only, its table on `device`."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.limit_positions(max_position, device)
