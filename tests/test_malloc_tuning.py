@@ -29,10 +29,5 @@ def _kept_mib(setting: str) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_large_buffers_go_back_to_the_kernel_while_loading():
-    assert _kept_mib("map_large_buffers_apart") < 2
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_buffers_stay_for_the_next_step_after_loading():
     assert _kept_mib("keep_freed_host_memory") >= 7.5

@@ -31,7 +31,7 @@ from tinyserve.engine.scheduling.block_manager import BlockManager
 from tinyserve.engine.execution.cuda_graphs import decode_graphs_apply
 from tinyserve.engine.loop.generation_defaults import resolve_sampling_defaults
 from tinyserve.layers.rotary import limit_positions
-from tinyserve.engine.memory.malloc_tuning import keep_freed_host_memory, map_large_buffers_apart
+from tinyserve.engine.memory.malloc_tuning import keep_freed_host_memory
 from tinyserve.engine.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model_in_pieces
 from tinyserve.engine.memory.sizing import (held_weight_bytes, kv_bytes_per_token, kv_pool_dtype, resolve_cache_config,
                                     resolve_max_model_len)
@@ -89,7 +89,6 @@ class LLMEngine:
                      ranks: Ranks | None) -> Job[None]:
         allowance = None  # what this load may take of the host's memory (engine/memory/fit_check.py)
         if loaded is None:
-            map_large_buffers_apart()  # so that loading leaves no holes in the heap (engine/memory/sizing.py)
             if ranks is not None:
                 loaded = yield from rank_setup.load_shard(config, ranks)
             else:

@@ -1,5 +1,10 @@
-"""glibc malloc tuning for the host process: one setting while the model loads, another once it serves.
-Process-wide; the engine applies them at start-up (engine/loop/llm_engine.py)."""
+"""glibc malloc tuning for the host process: freed memory kept for the next step while serving, handed back
+when a model is unloaded. Process-wide; the engine applies it at start-up (engine/loop/llm_engine.py).
+
+Loading runs under the same setting. It used to map every buffer over 1 MiB apart while a model loaded (its
+float32 copies left holes in the heap); loads are staged a matrix at a time now (loader/staged_linears.py),
+and the setting, being process-wide, slowed the steps of the models serving beside a swap, and stayed on
+after a failed one (docs/PERFORMANCE.md, "Resident memory")."""
 
 from __future__ import annotations
 
@@ -26,17 +31,6 @@ def _set_malloc(settings: tuple[tuple[int, int], ...], trim: bool = False) -> bo
     if trim:
         malloc_trim(0)
     return all(mallopt(param, value) == 1 for param, value in settings)
-
-
-def map_large_buffers_apart() -> bool:
-    """Before loading: give every buffer over 1 MiB its own mapping, handed back to the kernel when freed.
-
-    Why: loading converts weights through float32 copies. glibc's default threshold rises with the
-    sizes it sees freed, so most of those copies came from the heap and left holes in it; the steps'
-    short-lived tensors then wandered through the holes, and the int4 server's resident memory grew
-    over a busy workload (docs/PERFORMANCE.md, "Resident memory"). With the copies mapped apart, the
-    holes are not made."""
-    return _set_malloc(((_M_MMAP_THRESHOLD, 1 << 20),))
 
 
 def keep_freed_host_memory() -> bool:
