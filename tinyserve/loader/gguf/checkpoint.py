@@ -7,6 +7,7 @@ GemmaRMSNorm, as transformers', holds w)."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from functools import partial
@@ -24,6 +25,8 @@ from tinyserve.loader.gguf.file_format import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import NamedTensor, TensorSource
 
+logger = logging.getLogger(__name__)
+
 # GGUF `general.architecture` -> our family key
 _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
                   "gemma3": "gemma3"}
@@ -32,11 +35,18 @@ _HIDDEN_ACTS = {"gpt2": "gelu_new", "gemma3": "gelu_pytorch_tanh"}  # the others
 # family's file with it is refused: its tensor is unexpected)
 _ROPE_FREQS = "rope_freqs.weight"
 # each supported tensor type -> the bits of its codes (TensorSource.stored_bits; None: a float type). A K-quant
-# mix (Q4_K_M) keeps some tensors at 5-8 bits on purpose; `--quantization int4` keeps those at int8.
-_STORED_BITS = {
-    getattr(gguf.GGMLQuantizationType, name): bits
-    for name, bits in (("F32", None), ("F16", None), ("BF16", None), ("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4),
-                       ("Q5_0", 5), ("Q5_1", 5), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6))
+# mix (Q4_K_M) keeps some tensors at 5-8 bits on purpose; `--quantization int4` keeps those at int8. The types
+# of 4 bits or fewer that none of our formats holds as they are (Q2_K, Q3_K, the IQ types, TQ, MXFP4, NVFP4)
+# load through a conversion: dequantized by rows (the gguf library) and quantized again by the format's rule,
+# int4 per 32 weights (logged per type at load, with the file's bytes); the float path takes their values.
+_TYPE_BITS = (("F32", None), ("F16", None), ("BF16", None), ("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 5),
+              ("Q5_1", 5), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6))
+_CONVERTED_TYPE_BITS = (("Q2_K", 2), ("Q3_K", 3), ("IQ4_NL", 4), ("IQ4_XS", 4), ("IQ3_XXS", 3), ("IQ3_S", 3),
+                        ("IQ2_XXS", 2), ("IQ2_XS", 2), ("IQ2_S", 2), ("IQ1_S", 1), ("IQ1_M", 1), ("TQ1_0", 1),
+                        ("TQ2_0", 2), ("MXFP4", 4), ("NVFP4", 4))
+_STORED_BITS = {  # the gguf library names the newer types or not, by its version
+    getattr(gguf.GGMLQuantizationType, name): bits for name, bits in _TYPE_BITS + _CONVERTED_TYPE_BITS
+    if hasattr(gguf.GGMLQuantizationType, name)
 }
 
 
@@ -233,6 +243,7 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
     # Gemma's norms (input, post-attention, pre/post-FFN, q/k, final) all end in norm.weight, as the
     # converter's test for adding 1 does
     shifts_norms = family == "gemma3"
+    _check_types(reader)
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS and family == "llama":  # read by gguf_model_config
             continue
@@ -270,6 +281,28 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
         rows = read_rows if num_heads is None and not shift else None
         yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type), fetch, decode,
                                     code_bits, decode_codes, partial(reader.release, tensor), superblocks)
+
+
+_CONVERTED = {name for name, _ in _CONVERTED_TYPE_BITS}
+
+
+def _check_types(reader: GGUFFile) -> None:
+    """Before any tensor is read: a type we cannot read is refused naming the tensor and its type, and the
+    types read through a conversion (dequantized by rows, quantized again) are logged with their bytes."""
+    converted: dict[str, list[int]] = {}  # type -> [tensors, bytes in the file]
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in _STORED_BITS:
+            raise ModelLoadError(f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, which tinyserve "
+                                 f"does not read (supported: {', '.join(t.name for t in _STORED_BITS)})")
+        if tensor.tensor_type.name in _CONVERTED:
+            entry = converted.setdefault(tensor.tensor_type.name, [0, 0])
+            entry[0] += 1
+            entry[1] += tensor.data.nbytes
+    if converted:
+        logger.warning("these tensor types have no format of their own here and are dequantized by rows and "
+                       "quantized again (int4 per 32 weights, or the float path's dtype): %s", ", ".join(
+                           f"{name} ({count} tensors, {size / (1 << 20):.0f} MiB in the file)"
+                           for name, (count, size) in converted.items()))
 
 
 def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray, rows: tuple[int, int] | None,
