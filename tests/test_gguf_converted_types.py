@@ -10,9 +10,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType as Q
-from test_gguf import _write
+from test_gguf import write_random_llama
 from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
 
 from tinyserve.layers import ops
@@ -45,12 +44,7 @@ def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def mixed_path(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    return _write(tmp_path_factory.mktemp("converted") / "mixed.gguf", model, types=MIX, quantize=_quantize)
+    return write_random_llama(tmp_path_factory.mktemp("converted") / "mixed.gguf", MIX, _quantize)
 
 
 def test_the_float_path_reads_the_gguf_library_s_values(mixed_path):

@@ -8,9 +8,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType as Q
-from test_gguf import _write
+from test_gguf import write_random_llama
 from test_gguf_dequant import REFERENCES, random_blocks
 from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
 
@@ -150,12 +149,7 @@ TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}, Int4Superb
 @pytest.fixture(scope="module")
 def mixed_path(tmp_path_factory):
     """A tiny random Llama whose matrices take 256 inputs or more (a super-block), written as MIX."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    return _write(tmp_path_factory.mktemp("q4k") / "mixed.gguf", model, types=MIX, quantize=_quantize)
+    return write_random_llama(tmp_path_factory.mktemp("q4k") / "mixed.gguf", MIX, _quantize)
 
 
 @needs_int_kernels
