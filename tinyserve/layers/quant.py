@@ -33,13 +33,14 @@ _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero group from dividing
 def kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Blocks of 16 rows (zero rows pad the last), interleaved per group as our matmul kernels read them
     (csrc/quantized_matmul.cpp, csrc/bf16_matmul.cpp). chunks [rows, groups, chunks, 4] uint8: a row's
-    bytes of one group, 4 per vector lane; values: per-group scales or minimums [rows, groups] (or per
-    super-block: [rows, any count]) -> [blocks, count * 16] each."""
+    bytes of one group, 4 per vector lane (or another count: a wide code's high bits, 1 or 2 bytes a chunk);
+    values: per-group scales or minimums [rows, groups] (or per super-block: [rows, any count]) ->
+    [blocks, count * 16] each."""
     rows, groups = chunks.shape[:2]
     blocks = -(-rows // KERNEL_ROWS)
     pad = blocks * KERNEL_ROWS - rows
     chunks = F.pad(chunks, (0, 0, 0, 0, 0, 0, 0, pad))
-    codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, 4).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
+    codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, chunks.shape[-1]).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
     return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, -1).transpose(1, 2)
                                 .reshape(blocks, -1).contiguous() for v in values]
 
@@ -215,6 +216,24 @@ class Int4Weight:
 SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32
 
 
+def unpacked_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, in / 2] uint8 nibbles in the int4 kernels' order within each group (byte 4c + b: inputs 8c + b
+    and 8c + b + 4) -> [rows, in] uint8, a code a byte in input order."""
+    chunks = codes.reshape(codes.shape[0], -1, 1, 4)  # [row, group and chunk, 1, byte]
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(codes.shape[0], -1)
+
+
+def unpacked_high_bits(high_bits: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, in * bits / 8] uint8, a wide code's high plane before the kernel's interleaving of rows: per span of
+    32 / bits inputs a 32-bit word (little-endian) whose byte k holds the high bits of the span's inputs 4m + k at
+    bits bits * m (csrc/a16_formats.h) -> [rows, in] uint8, the high bits in input order."""
+    rows = high_bits.shape[0]
+    words = high_bits.contiguous().view(torch.int32).reshape(rows, -1, 1)  # [row, span, 1]
+    inputs = torch.arange(32 // bits, dtype=torch.int32)
+    shifts = 8 * (inputs % 4) + bits * (inputs // 4)
+    return ((words >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(rows, -1)
+
+
 @dataclass(frozen=True)
 class SuperblockCodes:
     """A GGUF Q4_K matrix's own codes, before the kernel's interleaving of rows (loader/gguf/blocks.py makes them
@@ -249,8 +268,7 @@ class SuperblockCodes:
         per_group = SUPERBLOCK // GROUP
         scale = self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()
         offset = -(self.dmin.float().repeat_interleave(per_group, 1) * self.sub_mins.float())
-        chunks = self.codes.reshape(rows, -1, 4, 1, 4)  # [row, group, chunk, 1, byte]
-        groups = torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(rows, -1, GROUP).float()
+        groups = unpacked_nibbles(self.codes).reshape(rows, -1, GROUP).float()
         return torch.addcmul(offset[..., None], groups, scale[..., None]).reshape(rows, in_features)
 
 
@@ -278,6 +296,81 @@ class Int4SuperblockWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.d, self.dmin, self.sub_scales, self.sub_mins))
+
+
+@dataclass(frozen=True)
+class Int6SuperblockCodes:
+    """A GGUF Q6_K matrix's own codes, before the kernel's interleaving of rows (loader/gguf/blocks.py makes them
+    from the file's bytes, without a float): per super-block of 256 inputs and row, float16 d; per 16 inputs, an
+    int8 sc; w = (code - 32) * (d * sc), code 0..63 = nibble | high << 4. The nibbles as SuperblockCodes' (the
+    int4 kernels' order within a group); the high 2 bits as the kernel's high plane (unpacked_high_bits): per
+    16 inputs a 32-bit word, byte k holding inputs 4m + k's at bits 2m."""
+
+    codes: torch.Tensor  # [rows, in / 2] uint8: the low 4 bits
+    high_bits: torch.Tensor  # [rows, in / 4] uint8: the high 2 bits
+    d: torch.Tensor  # [rows, in / 256] float16
+    sub_scales: torch.Tensor  # [rows, in / 16] int8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, in] of the matrix."""
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    @classmethod
+    def empty(cls, rows: int, in_features: int, device: torch.device) -> Int6SuperblockCodes:
+        bytes_ = dict(dtype=torch.uint8, device=device)
+        return cls(torch.empty(rows, in_features // 2, **bytes_), torch.empty(rows, in_features // 4, **bytes_),
+                   torch.empty(rows, in_features // SUPERBLOCK, dtype=torch.float16, device=device),
+                   torch.empty(rows, in_features // 16, dtype=torch.int8, device=device))
+
+    def dequantized(self) -> torch.Tensor:
+        """The values the codes stand for, float32 [rows, in], as the kernel computes them (and ggml: every
+        product is exact in float32, csrc/a16_formats.h says why)."""
+        rows, in_features = self.shape
+        codes = unpacked_nibbles(self.codes) | (unpacked_high_bits(self.high_bits, 2) << 4)
+        scale = self.d.float().repeat_interleave(SUPERBLOCK // 16, 1) * self.sub_scales.float()  # [rows, in / 16]
+        signed = codes.reshape(rows, -1, 16).float() - 32
+        return (signed * scale[..., None]).reshape(rows, in_features)
+
+
+@dataclass(frozen=True)
+class Int6SuperblockWeight:
+    """A GGUF Q6_K matrix in its own codes and scales, for the W4A16 kernel (csrc/quantized_matmul_a16.cpp,
+    w6a16_superblock_matmul: the activations unrounded): Int4Weight's interleaved nibbles of the codes' low
+    4 bits, their high 2 bits in a plane beside them (csrc/a16_formats.h), and per block of 16 rows the rows' d
+    per super-block and int8 sc per 16 inputs. 210 bytes per 256 weights of a row, as the file's 210 (int8,
+    which held them before: 272)."""
+
+    codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: Int4Weight's layout
+    high_bits: torch.Tensor  # [blocks, in * 4] uint8: per 16 inputs and row, a 32-bit word (csrc/a16_formats.h)
+    d: torch.Tensor  # [blocks, supers * 16] float16
+    sub_scales: torch.Tensor  # [blocks, in / 16 * 16] int8
+    out_features: int
+
+    @classmethod
+    def from_codes(cls, codes: Int6SuperblockCodes) -> Int6SuperblockWeight:
+        rows = codes.codes.shape[0]
+        packed, (d, sub_scales) = kernel_layout(codes.codes.reshape(rows, -1, 4, 4), [codes.d, codes.sub_scales])
+        high_bits, _ = kernel_layout(codes.high_bits.reshape(rows, -1, 2, 4), [])  # [row, group, span, byte]
+        return cls(packed, high_bits, d, sub_scales, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.high_bits, self.d, self.sub_scales))
+
+    def row_codes(self, ids: torch.Tensor) -> Int6SuperblockCodes:
+        """The codes of rows ids [n], out of the kernel layout ([block, group and chunk, row, bytes])."""
+        blocks, n = self.codes.shape[0], len(ids)
+        block, row = ids // KERNEL_ROWS, ids % KERNEL_ROWS
+        codes = self.codes.view(blocks, -1, KERNEL_ROWS, 4)[block, :, row].reshape(n, -1)
+        high_bits = self.high_bits.view(blocks, -1, KERNEL_ROWS, 4)[block, :, row].reshape(n, -1)
+        d = self.d.view(blocks, -1, KERNEL_ROWS)[block, :, row]
+        sub_scales = self.sub_scales.view(blocks, -1, KERNEL_ROWS)[block, :, row]
+        return Int6SuperblockCodes(codes, high_bits, d, sub_scales)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ids [n] as float32 [n, in] (an embedding lookup): the file's values, exactly."""
+        return self.row_codes(ids).dequantized()
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:

@@ -16,6 +16,11 @@ And Q4_K's super-blocks as SuperblockCodes (Int4SuperblockWeight's, for W4A16), 
   low (sc) and high (m) nibble, below the top 2 bits of byte j - 4 (sc) and of byte j (m)); 128 bytes of
   4-bit codes, sub-blocks 2s and 2s + 1 in the low and high nibbles of bytes 32s .. 32s + 31.
   w = q * (d * sc_j) - dmin * m_j.
+And Q6_K's as Int6SuperblockCodes (Int6SuperblockWeight's, for W4A16):
+- Q6_K (210 bytes, 256 weights): 128 bytes ql of low 4 bits, 64 bytes qh of high 2 bits, 16 int8 scales (one
+  per 16 weights), float16 d. Per half n of 128 weights and input l < 32 of its quarter q (weight 128n + 32q + l):
+  the low nibble (q = 0, 1: low; 2, 3: high) of ql byte 64n + 32 (q % 2) + l, bits 2q, 2q + 1 of qh byte 32n + l.
+  w = d * sc * (q - 32).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tinyserve.layers.quant import GroupCodes, SuperblockCodes
+from tinyserve.layers.quant import GroupCodes, Int6SuperblockCodes, SuperblockCodes
 from tinyserve.loader.errors import ModelLoadError
 
 # each type converted here -> the bits of the group codes it becomes
@@ -67,14 +72,49 @@ def superblock_codes(data: np.ndarray) -> SuperblockCodes:
     low = _per_byte(0x0F)
     sub_scales = torch.stack([scales & _per_byte(0x3F), (nibbles & low) | (((scales >> 6) & top) << 4)], dim=-1)
     sub_mins = torch.stack([mins & _per_byte(0x3F), ((nibbles >> 4) & low) | (((mins >> 6) & top) << 4)], dim=-1)
-    # sub-blocks 2s and 2s + 1 in the low and high nibbles of bytes 32s + i; the kernel's byte 4c + b of a group
-    # holds its inputs 8c + b (low nibble) and 8c + b + 4 (high): bytes 32s + 8c + b (first word) and + 4 (second)
-    pairs = words[..., 4:].reshape(rows, -1, 4, 4, 2)  # [row, super-block, s, c, first / second word]
-    first, second = pairs[..., 0].contiguous(), pairs[..., 1].contiguous()
-    high = _per_byte(0xF0)
-    even, odd = (first & low) | ((second << 4) & high), ((first >> 4) & low) | (second & high)
-    codes = torch.stack([even, odd], dim=3)  # [row, super-block, s, sub-block 2s + (0, 1), c]
+    codes = _nibble_runs(words[..., 4:])  # [row, super-block, s, sub-block 2s + (0, 1), c]
     return SuperblockCodes(_bytes(codes, rows), d, dmin, _bytes(sub_scales, rows), _bytes(sub_mins, rows))
+
+
+def _nibble_runs(words: torch.Tensor) -> torch.Tensor:
+    """[rows, super-blocks, 32] int32: 128 bytes of 4-bit codes in runs of 32 bytes, run s holding one group's
+    codes in its low nibbles and another's in its high (byte 32s + i: input i of both) -> the int4 kernels' order
+    within each group (byte 4c + b: inputs 8c + b in the low nibble, 8c + b + 4 in the high), as int32 words
+    [rows, super-blocks, run s, low / high nibbles' group, c]."""
+    rows = words.shape[0]
+    # the kernel's byte 4c + b of a group: bytes 32s + 8c + b (first word) and + 4 (second) of the run
+    pairs = words.reshape(rows, -1, 4, 4, 2)  # [row, super-block, s, c, first / second word]
+    first, second = pairs[..., 0].contiguous(), pairs[..., 1].contiguous()
+    low, high = _per_byte(0x0F), _per_byte(0xF0)
+    even, odd = (first & low) | ((second << 4) & high), ((first >> 4) & low) | (second & high)
+    return torch.stack([even, odd], dim=3)
+
+
+_Q6_K_BYTES = 210  # ql 0-127, qh 128-191, scales 192-207, d 208-209
+
+
+def int6_superblock_codes(data: np.ndarray) -> Int6SuperblockCodes:
+    """data: a Q6_K tensor's rows as bytes, uint8 [rows, 210 * super-blocks] -> their Int6SuperblockCodes, on
+    4-byte words as superblock_codes."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q6_K_BYTES)
+    d = _halves(blocks[..., 208:210])
+    sub_scales = blocks[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+    # ql's runs of 32 bytes hold quarters (0, 2), (1, 3) of the first half, then of the second: groups
+    # 4n + 2 * nibble + run % 2
+    runs = _nibble_runs(blocks[..., :128].contiguous().view(torch.int32))  # [row, super-block, run, nibble, c]
+    codes = runs.reshape(rows, -1, 2, 2, 2, 4).transpose(3, 4)  # [row, super-block, n, nibble, run % 2, c]
+    # qh byte 32n + l holds input l of groups 4n + q at bits 2q, 2q + 1; the high plane's word for half h of a
+    # group holds its inputs 16h + 4m + k in byte k, bits 2m: qh's word 8n + 4h + m, byte k, moved by 2m - 2q
+    qh = blocks[..., 128:192].contiguous().view(torch.int32).reshape(rows, -1, 2, 1, 2, 4)  # [.., n, 1, h, m]
+    quarters = (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1, 1)
+    pairs = ((qh >> quarters) & _per_byte(0x03)) << (2 * torch.arange(4, dtype=torch.int32))  # [.., n, q, h, m]
+    high_bits = pairs.sum(-1, dtype=torch.int32)  # the m's bits do not overlap: their sum is their OR
+    return Int6SuperblockCodes(_bytes(codes, rows), _bytes(high_bits, rows), d, sub_scales)
+
+
+# the K-quant types whose super-blocks convert to a W4A16 format's codes here -> the conversion
+SUPERBLOCK_CODES = {GGMLQuantizationType.Q4_K: superblock_codes, GGMLQuantizationType.Q6_K: int6_superblock_codes}
 
 
 def _per_byte(mask: int) -> int:
