@@ -27,7 +27,19 @@ needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C+
 
 def _blocks(seed: int) -> np.ndarray:
     """[ROWS, bytes per row]: random codes, 6-bit scales and minimums, finite float16 d and dmin of either sign."""
-    return random_blocks(Q.Q4_K, ROWS * COLS, np.random.default_rng(seed)).reshape(ROWS, -1)
+    return random_rows(Q.Q4_K, seed)
+
+
+def random_rows(qtype: Q, seed: int, rows: int = ROWS, cols: int = COLS) -> np.ndarray:
+    """[rows, bytes per row] of random blocks of qtype (test_gguf_dequant.random_blocks: random codes, finite
+    float16 scales of either sign)."""
+    return random_blocks(qtype, rows * cols, np.random.default_rng(seed)).reshape(rows, -1)
+
+
+def exact_values(qtype: Q, blocks: np.ndarray) -> torch.Tensor:
+    """float64 [rows, in]: the file's values, by the test's own reading of ggml's format (test_gguf_dequant)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    return torch.from_numpy(REFERENCES[qtype](blocks.reshape(-1, block_bytes))).reshape(blocks.shape[0], -1)
 
 
 def _matmul(x: torch.Tensor, weight: Int4SuperblockWeight) -> torch.Tensor:
@@ -123,14 +135,21 @@ def q4_k_bytes(w: np.ndarray) -> np.ndarray:
     return block.reshape(rows, -1)
 
 
+_SMALL_SCALES = {Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # the float16 fields _quantize sets in random K-quant blocks
+
+
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """Q4_K by q4_k_bytes; Q6_K as random codes with a small d (weights within ~0.05); the rest gguf-py's."""
+    """Q4_K by q4_k_bytes; Q5_K and Q6_K as random codes with small d (and dmin) (weights within ~0.05); the rest
+    gguf-py's."""
     if qtype == Q.Q4_K:
         return q4_k_bytes(w)
-    if qtype == Q.Q6_K:
+    if qtype in _SMALL_SCALES:
         rows, cols = w.shape
-        data = np.random.default_rng(rows * cols).integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
-        data[..., 208:210] = np.frombuffer(np.float16(1e-5).tobytes(), dtype=np.uint8)
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        data = np.random.default_rng(rows * cols).integers(0, 256, size=(rows, cols // 256, block_bytes),
+                                                           dtype=np.uint8)
+        for at in _SMALL_SCALES[qtype]:
+            data[..., at:at + 2] = np.frombuffer(np.float16(1e-5).tobytes(), dtype=np.uint8)
         return data.reshape(rows, -1)
     return gguf.quants.quantize(w, qtype)
 

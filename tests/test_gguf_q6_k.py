@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf_dequant import REFERENCES, random_blocks
-from test_gguf_q4_k import (ALL_Q4_K, _gguf_names, assert_the_same_bits_in_any_batch, assert_within_the_bound,
-                            dequantized_in_a_w4a16_load, load_in_formats, write_tiny_llama)
+from test_gguf_q4_k import (ALL_Q4_K, COLS, ROWS, _gguf_names, assert_the_same_bits_in_any_batch,
+                            assert_within_the_bound, dequantized_in_a_w4a16_load, exact_values, load_in_formats,
+                            random_rows, write_tiny_llama)
 from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
 
 from tinyserve.layers import ops
@@ -19,19 +19,7 @@ from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int6Superbl
 from tinyserve.loader.gguf.blocks import int6_superblock_codes
 from tinyserve.loader.gguf.checkpoint import open_gguf
 
-ROWS, COLS = 21, 512  # odd rows (two blocks of 16, the second padded), two super-blocks a row
-BLOCK_BYTES = 210  # a Q6_K super-block: 256 weights
 needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C++ kernels are not built")
-
-
-def _blocks(seed: int) -> np.ndarray:
-    """[ROWS, bytes per row]: random codes and int8 scales, finite float16 d of either sign."""
-    return random_blocks(Q.Q6_K, ROWS * COLS, np.random.default_rng(seed)).reshape(ROWS, -1)
-
-
-def _exact(blocks: np.ndarray) -> torch.Tensor:
-    """The file's values in float64, by the test's own reading of ggml's format (test_gguf_dequant)."""
-    return torch.from_numpy(REFERENCES[Q.Q6_K](blocks.reshape(-1, BLOCK_BYTES))).reshape(blocks.shape[0], -1)
 
 
 def _matmul(x: torch.Tensor, weight: Int6SuperblockWeight) -> torch.Tensor:
@@ -43,18 +31,18 @@ def _matmul(x: torch.Tensor, weight: Int6SuperblockWeight) -> torch.Tensor:
 
 def test_the_codes_stand_for_the_file_s_values_exactly():
     """ggml's float32 values bit for bit, and float64's exact values: d * sc * (q - 32) never rounds in float32."""
-    blocks = _blocks(0)
+    blocks = random_rows(Q.Q6_K, 0)
     values = int6_superblock_codes(blocks).dequantized()
     assert torch.equal(values, torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q6_K)))
-    assert torch.equal(values.double(), _exact(blocks))
+    assert torch.equal(values.double(), exact_values(Q.Q6_K, blocks))
 
 
 def test_the_embedding_rows_are_the_file_s_values():
     """rows() (an embedding lookup, read out of the kernel's interleaved layout) gives each row's exact values."""
-    blocks = _blocks(1)
+    blocks = random_rows(Q.Q6_K, 1)
     weight = Int6SuperblockWeight.from_codes(int6_superblock_codes(blocks))
     ids = torch.tensor([0, 20, 5, 16, 15, 5])
-    assert torch.equal(weight.rows(ids).double(), _exact(blocks)[ids])
+    assert torch.equal(weight.rows(ids).double(), exact_values(Q.Q6_K, blocks)[ids])
 
 
 @needs_int_kernels
@@ -65,22 +53,22 @@ def test_the_kernel_computes_with_the_file_s_values(tokens, dtype):
     and each of the COLS products is added into a float32 sum with one rounding (FMA), so the error is at most
     COLS * 2^-24 * sum_k |x_k w_k| (a recursive sum's bound); a bfloat16 output adds its own rounding, 2^-8 of
     the value."""
-    blocks = _blocks(2)
+    blocks = random_rows(Q.Q6_K, 2)
     weight = Int6SuperblockWeight.from_codes(int6_superblock_codes(blocks))
-    assert_within_the_bound(lambda x: _matmul(x, weight), _exact(blocks), tokens, dtype, COLS)
+    assert_within_the_bound(lambda x: _matmul(x, weight), exact_values(Q.Q6_K, blocks), tokens, dtype, COLS)
 
 
 @needs_int_kernels
 def test_a_token_s_output_is_the_same_bits_in_any_batch():
     """Each (token, row) sum runs over the inputs in one order whatever the step's size or tiling."""
-    weight = Int6SuperblockWeight.from_codes(int6_superblock_codes(_blocks(3)))
+    weight = Int6SuperblockWeight.from_codes(int6_superblock_codes(random_rows(Q.Q6_K, 3)))
     assert_the_same_bits_in_any_batch(lambda x: _matmul(x, weight), COLS, seed=3)
 
 
 def test_the_format_holds_the_file_s_bytes():
     """210 bytes per 256 weights of a row, as the file's 210 (int8's: 272). ROWS pads to 32 rows (the kernel's
     blocks of 16), so per row."""
-    blocks = _blocks(4)
+    blocks = random_rows(Q.Q6_K, 4)
     weight = Int6SuperblockWeight.from_codes(int6_superblock_codes(blocks))
     assert weight.nbytes / (weight.codes.shape[0] * 16) == blocks.shape[1]
 
@@ -114,7 +102,7 @@ def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
     assert model.lm_head.weight_format.nbytes == stored["token_embd.weight"]
     [blocks] = [t.data for t in open_gguf(mixed_path).tensors if t.name == "token_embd.weight"]
     ids = torch.tensor([0, 17, 255, 3])
-    assert torch.equal(embedding(ids).double(), _exact(blocks)[ids])
+    assert torch.equal(embedding(ids).double(), exact_values(Q.Q6_K, blocks)[ids])
 
 
 @needs_int_kernels

@@ -17,6 +17,7 @@ prefills at 1.6-2x bfloat16's rate, where the per-group ones run near bfloat16's
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -268,8 +269,30 @@ class SuperblockCodes:
         per_group = SUPERBLOCK // GROUP
         scale = self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()
         offset = -(self.dmin.float().repeat_interleave(per_group, 1) * self.sub_mins.float())
-        groups = unpacked_nibbles(self.codes).reshape(rows, -1, GROUP).float()
+        groups = self.code_values().reshape(rows, -1, GROUP).float()
         return torch.addcmul(offset[..., None], groups, scale[..., None]).reshape(rows, in_features)
+
+    def code_values(self) -> torch.Tensor:
+        """[rows, in] uint8, the codes in input order."""
+        return unpacked_nibbles(self.codes)
+
+
+@dataclass(frozen=True)
+class Int5SuperblockCodes(SuperblockCodes):
+    """A GGUF Q5_K matrix's own codes (loader/gguf/blocks.py, without a float): Q4_K's (SuperblockCodes), the codes
+    0..31 with their high bit in the kernel's high plane (unpacked_high_bits: per group a 32-bit word, byte k
+    holding inputs 4m + k's at bit m)."""
+
+    high_bits: torch.Tensor  # [rows, in / 8] uint8
+
+    @classmethod
+    def empty(cls, rows: int, in_features: int, device: torch.device) -> Int5SuperblockCodes:
+        low = SuperblockCodes.empty(rows, in_features, device)
+        return cls(low.codes, low.d, low.dmin, low.sub_scales, low.sub_mins,
+                   torch.empty(rows, in_features // 8, dtype=torch.uint8, device=device))
+
+    def code_values(self) -> torch.Tensor:
+        return unpacked_nibbles(self.codes) | (unpacked_high_bits(self.high_bits, 1) << 4)
 
 
 @dataclass(frozen=True)
@@ -371,6 +394,27 @@ class Int6SuperblockWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ids [n] as float32 [n, in] (an embedding lookup): the file's values, exactly."""
         return self.row_codes(ids).dequantized()
+
+
+@dataclass(frozen=True)
+class Int5SuperblockWeight(Int4SuperblockWeight):
+    """A GGUF Q5_K matrix in its own codes and scales, for the W4A16 kernel (csrc/quantized_matmul_a16.cpp,
+    w5a16_superblock_matmul): Int4SuperblockWeight's nibbles and scales, the codes' high bit in a plane beside
+    them (csrc/a16_formats.h). 180 bytes per 256 weights of a row where the file has 176 (Q4_K's 12 bytes of
+    packed 6-bit values kept as 16): 2.3% more (int8, which held them before: 272).
+    NOTE: a subclass, so that a match on Int4SuperblockWeight takes it too unless it asks for this one first."""
+
+    high_bits: torch.Tensor  # [blocks, in * 2] uint8: per group and row, a 32-bit word (csrc/a16_formats.h)
+
+    @classmethod
+    def from_codes(cls, codes: Int5SuperblockCodes) -> Int5SuperblockWeight:
+        low = Int4SuperblockWeight.from_codes(codes)
+        high_bits, _ = kernel_layout(codes.high_bits.reshape(low.out_features, -1, 1, 4), [])  # [row, group, 1, byte]
+        return cls(*(getattr(low, f.name) for f in dataclasses.fields(low)), high_bits)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.high_bits.nbytes
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:

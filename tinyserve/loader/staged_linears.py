@@ -5,10 +5,11 @@ module, whose lookups then read the head's codes (layers/embedding.py). No float
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
-int8, in w4a16 mode its Q4_K into Int4SuperblockWeight and its Q6_K into Int6SuperblockWeight, a Q6_K head
-or tied embedding too: loader/gguf/blocks.py) is copied code for code. Any other (another K-quant, a float tensor, a tensor-parallel rank's columns) is read as float32 rows and quantized
-by its format's rule (layers/quant.py), which is the same for a block of rows as for the whole matrix: each
-group of 32 inputs is one row's.
+int8, in w4a16 mode its Q4_K, Q5_K and Q6_K into Int4-, Int5- and Int6SuperblockWeight, a Q6_K head or
+embedding too: loader/gguf/blocks.py) is copied code for code. Any other (a float tensor, a tensor-parallel
+rank's columns, a K-quant in another mode) is read as float32 rows and quantized by its format's rule
+(layers/quant.py), which is the same for a block of rows as for the whole matrix: each group of 32 inputs is one
+row's.
 Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.
 """
 
@@ -24,22 +25,23 @@ from torch import nn
 
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
-from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int6SuperblockCodes,
-                                    Int6SuperblockWeight, Int8ChannelWeight, Int8Weight, SuperblockCodes,
-                                    int4_group_codes, int8_group_codes)
+from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
+                                    Int5SuperblockWeight, Int6SuperblockCodes, Int6SuperblockWeight, Int8ChannelWeight,
+                                    Int8Weight, SuperblockCodes, int4_group_codes, int8_group_codes)
 
 FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
 Decoder = Callable[[Any, Any], FileCodes]  # (fetched bytes, rows) -> codes
 _RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
 _BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each format holds
 # the formats of a K-quant's super-blocks (w4a16 alone) -> the codes they are made of
-_SUPERBLOCK_CODES = {Int4SuperblockWeight: SuperblockCodes, Int6SuperblockWeight: Int6SuperblockCodes}
+_SUPERBLOCK_CODES = {Int4SuperblockWeight: SuperblockCodes, Int5SuperblockWeight: Int5SuperblockCodes,
+                     Int6SuperblockWeight: Int6SuperblockCodes}
 
 
 @dataclass
 class StagedLinear:
     """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight,
-    Int8Weight; Int4SuperblockWeight's SuperblockCodes, Int6SuperblockWeight's Int6SuperblockCodes), or `values`
+    Int8Weight; the super-block formats' SuperblockCodes, Int5SuperblockCodes, Int6SuperblockCodes), or `values`
     (Int8ChannelWeight, float32 [out, in])."""
 
     holders: tuple[nn.Module, ...]  # the modules that take the format: a Linear; a tied head and its embedding
@@ -58,7 +60,7 @@ class StagedLinear:
               file_code_bits: int | None, superblock_bits: int | None = None) -> StagedLinear:
         """Its format chosen (file_code_bits: the bits of the file's codes that convert as they are, for
         every tensor of it; None: not all do; superblock_bits: every tensor of it is the K-quant of these bits,
-        Q4_K or Q6_K); its buffers come with its first rows (_buffers), so that at most one matrix's are held at
+        Q4_K, Q5_K or Q6_K); its buffers come with its first rows (_buffers), so that at most one matrix's are held at
         a time."""
         fmt = quantized_format(matrix, quantization, file_code_bits, superblock_bits)
         if isinstance(matrix, TiedLMHead):
@@ -141,8 +143,8 @@ def stage_linears(model: nn.Module, quantization: str, file_code_bits: Mapping[n
         owner = module.embedding if isinstance(module, TiedLMHead) else module
         staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner), superblock_bits.get(owner))
     for module in model.modules():
-        if isinstance(module, Embedding) and id(module) not in tied and _held_in_file_codes(module, quantization,
-                                                                                            file_code_bits, superblock_bits):
+        held = _held_in_file_codes(module, quantization, file_code_bits, superblock_bits)
+        if isinstance(module, Embedding) and id(module) not in tied and held:
             staged[module] = StagedLinear.start(module, quantization, file_code_bits.get(module),
                                                 superblock_bits.get(module))
     log_kept_at_int8(quantization, [s.fmt for s in staged.values()
@@ -154,4 +156,5 @@ def _held_in_file_codes(embedding: Embedding, quantization: str, file_code_bits:
                         superblock_bits: Mapping[nn.Module, int]) -> bool:
     """Whether an untied embedding's format takes the file's codes as they are (quantized_format): Q4_0 / Q4_1
     / Q8_0 in every mode, Q6_K in w4a16."""
-    return file_code_bits.get(embedding) is not None or (quantization == "w4a16" and superblock_bits.get(embedding) == 6)
+    in_w4a16 = quantization == "w4a16" and superblock_bits.get(embedding) == 6
+    return file_code_bits.get(embedding) is not None or in_w4a16

@@ -52,8 +52,9 @@ class TensorSource:
     Without them, `read` and `read_rows` run whole on the I/O thread.
     `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
     (a GGUF's Q4_0, Q4_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes of those
-    bits. `decode_superblocks`, where the file's codes are Q4_K's super-blocks: decode_superblocks(fetched, rows)
-    -> their codes (Q4_K's SuperblockCodes, Q6_K's Int6SuperblockCodes: w4a16's formats). `release`: drops the file's pages of the
+    bits. `decode_superblocks`, where the file's codes are a K-quant's super-blocks: decode_superblocks(fetched,
+    rows) -> their codes (Q4_K's SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's Int6SuperblockCodes: w4a16's
+    formats). `release`: drops the file's pages of the
     tensor from the process once it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
@@ -180,7 +181,7 @@ def file_code_bits(matches: list[Match]) -> dict[nn.Module, int | None]:
 def file_superblock_bits(matches: list[Match]) -> dict[nn.Module, int]:
     """The modules whose `weight` the file stores all in super-blocks of one K-quant type that converts to a
     format's codes (TensorSource.decode_superblocks), each tensor read whole for this rank -> its bits (Q4_K: 4,
-    Q6_K: 6)."""
+    Q5_K: 5, Q6_K: 6)."""
     held = _by_owner(matches, lambda source: source.stored_bits if source.decode_superblocks is not None else None)
     return {owner: bits for owner, bits in held.items() if bits is not None}
 

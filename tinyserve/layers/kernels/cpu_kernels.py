@@ -195,6 +195,15 @@ def w4a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tenso
                   sub_scales, sub_mins, out_features)
 
 
+def w5a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, d: torch.Tensor,
+                            dmin: torch.Tensor, sub_scales: torch.Tensor, sub_mins: torch.Tensor,
+                            out_features: int) -> torch.Tensor:
+    """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q5_K weight in layers/quant.py's
+    Int5SuperblockWeight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w5a16_superblock_matmul", load().w5a16_superblock_matmul, x, codes, high_bits, d, dmin,
+                  sub_scales, sub_mins, out_features)
+
+
 def w6a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, d: torch.Tensor,
                             sub_scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q6_K weight in layers/quant.py's

@@ -16,6 +16,9 @@ And Q4_K's super-blocks as SuperblockCodes (Int4SuperblockWeight's, for W4A16), 
   low (sc) and high (m) nibble, below the top 2 bits of byte j - 4 (sc) and of byte j (m)); 128 bytes of
   4-bit codes, sub-blocks 2s and 2s + 1 in the low and high nibbles of bytes 32s .. 32s + 31.
   w = q * (d * sc_j) - dmin * m_j.
+And Q5_K's as Int5SuperblockCodes (Int5SuperblockWeight's, for W4A16):
+- Q5_K (176 bytes, 256 weights): Q4_K's d, dmin and 12 bytes of 6-bit values, then 32 bytes qh (byte l: bit j
+  the high bit of input l of sub-block j), then Q4_K's 128 bytes of low 4 bits. w = q * (d * sc_j) - dmin * m_j.
 And Q6_K's as Int6SuperblockCodes (Int6SuperblockWeight's, for W4A16):
 - Q6_K (210 bytes, 256 weights): 128 bytes ql of low 4 bits, 64 bytes qh of high 2 bits, 16 int8 scales (one
   per 16 weights), float16 d. Per half n of 128 weights and input l < 32 of its quarter q (weight 128n + 32q + l):
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tinyserve.layers.quant import GroupCodes, Int6SuperblockCodes, SuperblockCodes
+from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6SuperblockCodes, SuperblockCodes
 from tinyserve.loader.errors import ModelLoadError
 
 # each type converted here -> the bits of the group codes it becomes
@@ -65,15 +68,41 @@ def superblock_codes(data: np.ndarray) -> SuperblockCodes:
     block's byte 4w + k): a fourth of the ops of a byte-wise pass, on wider rows."""
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q4_K_WORDS * 4)
-    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
     words = blocks.view(torch.int32)  # [rows, super-blocks, 36]
+    codes = _nibble_runs(words[..., 4:])  # [row, super-block, s, sub-block 2s + (0, 1), c]
+    return SuperblockCodes(_bytes(codes, rows), *_superblock_scales(blocks, words))
+
+
+def _superblock_scales(blocks: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K's (and Q5_K's) bytes 0-15 ([rows, super-blocks, bytes] and their int32 words) -> d, dmin [rows,
+    super-blocks] float16 and the sub-blocks' 6-bit scales and minimums [rows, groups] uint8."""
+    rows = blocks.shape[0]
+    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
     scales, mins, nibbles = words[..., 1], words[..., 2], words[..., 3]
     top = _per_byte(0x03)  # the 2 high bits of sub-blocks 4-7's values, kept in bits 6-7 of bytes 0-7
     low = _per_byte(0x0F)
     sub_scales = torch.stack([scales & _per_byte(0x3F), (nibbles & low) | (((scales >> 6) & top) << 4)], dim=-1)
     sub_mins = torch.stack([mins & _per_byte(0x3F), ((nibbles >> 4) & low) | (((mins >> 6) & top) << 4)], dim=-1)
-    codes = _nibble_runs(words[..., 4:])  # [row, super-block, s, sub-block 2s + (0, 1), c]
-    return SuperblockCodes(_bytes(codes, rows), d, dmin, _bytes(sub_scales, rows), _bytes(sub_mins, rows))
+    return d, dmin, _bytes(sub_scales, rows), _bytes(sub_mins, rows)
+
+
+_Q5_K_WORDS = 44  # 176 bytes: Q4_K's words 0-3, then 4-11 (qh), 12-43 (the low 4 bits)
+
+
+def int5_superblock_codes(data: np.ndarray) -> Int5SuperblockCodes:
+    """data: a Q5_K tensor's rows as bytes, uint8 [rows, 176 * super-blocks] -> their Int5SuperblockCodes, on
+    4-byte words as superblock_codes."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q5_K_WORDS * 4)
+    words = blocks.view(torch.int32)  # [rows, super-blocks, 44]
+    codes = _nibble_runs(words[..., 12:])
+    # qh byte l holds input l of sub-block j at bit j; the high plane's word for sub-block j holds its inputs
+    # 4m + k in byte k, bit m: qh's word m, byte k, moved by m - j
+    qh = words[..., 4:12].reshape(rows, -1, 1, 8)  # [.., 1, m]
+    positions = torch.arange(8, dtype=torch.int32)
+    bits = ((qh >> positions.reshape(8, 1)) & _per_byte(0x01)) << positions
+    high_bits = bits.sum(-1, dtype=torch.int32)  # [.., j]: the m's bits do not overlap, their sum is their OR
+    return Int5SuperblockCodes(_bytes(codes, rows), *_superblock_scales(blocks, words), _bytes(high_bits, rows))
 
 
 def _nibble_runs(words: torch.Tensor) -> torch.Tensor:
@@ -114,7 +143,8 @@ def int6_superblock_codes(data: np.ndarray) -> Int6SuperblockCodes:
 
 
 # the K-quant types whose super-blocks convert to a W4A16 format's codes here -> the conversion
-SUPERBLOCK_CODES = {GGMLQuantizationType.Q4_K: superblock_codes, GGMLQuantizationType.Q6_K: int6_superblock_codes}
+SUPERBLOCK_CODES = {GGMLQuantizationType.Q4_K: superblock_codes, GGMLQuantizationType.Q5_K: int5_superblock_codes,
+                    GGMLQuantizationType.Q6_K: int6_superblock_codes}
 
 
 def _per_byte(mask: int) -> int:
