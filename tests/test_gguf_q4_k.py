@@ -254,9 +254,15 @@ def _gguf_names(module: str) -> list[str]:
 def test_int4_mode_keeps_requantizing_q4_k(mixed_path):
     """int4 (int8 activations) has no super-block kernel: a Q4_K linear is requantized to Int4Weight by rows (a
     Q6_K one to Int8Weight)."""
-    int4_formats = {Int4SuperblockWeight: Int4Weight, Int6SuperblockWeight: Int8Weight}
-    expected = {name: int4_formats.get(fmt, fmt) for name, fmt in W4A16_FORMATS.items()}
-    assert _formats(_build(mixed_path, dtype=torch.bfloat16, quantization="int4")) == expected
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int4SuperblockWeight: Int4Weight,
+                                                       Int6SuperblockWeight: Int8Weight})
+
+
+def assert_int4_mode_holds(path, w4a16_formats: dict, int4_formats: dict) -> None:
+    """The file loaded in int4 mode (bfloat16) holds its modules in w4a16's formats (by name) changed by
+    int4_formats (w4a16's format -> int4's)."""
+    expected = {name: int4_formats.get(fmt, fmt) for name, fmt in w4a16_formats.items()}
+    assert _formats(_build(path, dtype=torch.bfloat16, quantization="int4")) == expected
 
 
 @needs_int_kernels
@@ -265,5 +271,10 @@ def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
     then set to its format's values where the format does not take its type's codes as they are (its rule, as
     tests/test_quant.py checks a uniform mode): Q4_K linears computed from their own codes give the file's
     values, so only the order of the sums differs."""
-    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
-    assert_logits_match_the_formats_values(model, mixed_path, W4A16_FORMATS, TAKEN_AS_CODES, 1e-5)
+    assert_w4a16_logits_match(mixed_path, W4A16_FORMATS, TAKEN_AS_CODES)
+
+
+def assert_w4a16_logits_match(path, formats: dict, taken: dict) -> None:
+    """The file's w4a16 load (float32) against the reference on its formats' values (within 1e-5)."""
+    model = _build(path, dtype=torch.float32, quantization="w4a16")
+    assert_logits_match_the_formats_values(model, path, formats, taken, 1e-5)

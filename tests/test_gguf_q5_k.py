@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf_q4_k import (ALL_Q4_K, COLS, ROWS, assert_the_same_bits_in_any_batch, assert_within_the_bound,
-                            dequantized_in_a_w4a16_load, exact_values, load_in_formats, random_rows,
-                            write_tiny_llama)
+from test_gguf_q4_k import (ALL_Q4_K, COLS, ROWS, assert_int4_mode_holds, assert_the_same_bits_in_any_batch,
+                            assert_w4a16_logits_match, assert_within_the_bound, dequantized_in_a_w4a16_load,
+                            exact_values, load_in_formats, random_rows, write_tiny_llama)
 from test_gguf_q6_k import LINEARS
-from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
 
 from tinyserve.layers import ops
 from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int6SuperblockWeight,
@@ -103,13 +102,11 @@ def test_the_q5_k_linears_load_without_a_float(mixed_path, monkeypatch):
 @needs_int_kernels
 def test_int4_mode_keeps_requantizing_q5_k(mixed_path):
     """int4 (int8 activations) has no wide-code kernel: a Q5_K or Q6_K linear is int8, from rows."""
-    int4_formats = {Int5SuperblockWeight: Int8Weight, Int6SuperblockWeight: Int8Weight}
-    expected = {name: int4_formats.get(fmt, fmt) for name, fmt in W4A16_FORMATS.items()}
-    assert _formats(_build(mixed_path, dtype=torch.bfloat16, quantization="int4")) == expected
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int5SuperblockWeight: Int8Weight,
+                                                       Int6SuperblockWeight: Int8Weight})
 
 
 @needs_int_kernels
 def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
     """The logits of the w4a16 load against float32 on the file's dequantized values (tests/test_gguf_q4_k.py)."""
-    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
-    assert_logits_match_the_formats_values(model, mixed_path, W4A16_FORMATS, TAKEN_AS_CODES, 1e-5)
+    assert_w4a16_logits_match(mixed_path, W4A16_FORMATS, TAKEN_AS_CODES)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf_q4_k import (ALL_Q4_K, COLS, ROWS, _gguf_names, assert_the_same_bits_in_any_batch,
-                            assert_within_the_bound, dequantized_in_a_w4a16_load, exact_values, load_in_formats,
-                            random_rows, write_tiny_llama)
-from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
+from test_gguf_q4_k import (ALL_Q4_K, COLS, ROWS, _gguf_names, assert_int4_mode_holds,
+                            assert_the_same_bits_in_any_batch, assert_w4a16_logits_match, assert_within_the_bound,
+                            dequantized_in_a_w4a16_load, exact_values, load_in_formats, random_rows,
+                            write_tiny_llama)
 
 from tinyserve.layers import ops
 from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int6SuperblockWeight, Int8Weight
@@ -117,9 +117,8 @@ def test_the_q6_k_matrices_load_without_a_float(mixed_path, monkeypatch):
 @needs_int_kernels
 def test_int4_mode_keeps_requantizing_q6_k(mixed_path):
     """int4 (int8 activations) has no wide-code kernel: a Q6_K linear and the head are int8, from rows."""
-    expected = {name: Int8Weight if fmt is Int6SuperblockWeight else
-                Int4Weight if fmt is Int4SuperblockWeight else fmt for name, fmt in W4A16_FORMATS.items()}
-    assert _formats(_build(mixed_path, dtype=torch.bfloat16, quantization="int4")) == expected
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int6SuperblockWeight: Int8Weight,
+                                                       Int4SuperblockWeight: Int4Weight})
 
 
 @needs_int_kernels
@@ -128,5 +127,4 @@ def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
     its format's values where the format does not take its type's codes (tests/test_gguf_q4_k.py): the Q6_K
     matrices (the head and the embedding too) computed from their own codes give the file's values, so only the
     order of the sums differs."""
-    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
-    assert_logits_match_the_formats_values(model, mixed_path, W4A16_FORMATS, TAKEN_AS_CODES, 1e-5)
+    assert_w4a16_logits_match(mixed_path, W4A16_FORMATS, TAKEN_AS_CODES)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers import kv_cache
 from tinyserve.layers.kv_cache import KVCache
-from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int6SuperblockWeight,
-                                    Int8ChannelWeight, Int8Weight)
+from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
+                                    Int6SuperblockWeight, Int8ChannelWeight, Int8Weight)
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
 
 
@@ -164,6 +164,9 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
             out = matmul(x, weight.codes, weight.scales, weight.out_features)
         case Int8ChannelWeight():
             out = cpu_kernels.int8_channel_matmul(x, weight.codes, weight.scales, weight.out_features)
+        case Int5Weight():
+            out = cpu_kernels.w5a16_matmul(x, weight.codes, weight.high_bits, weight.scales, weight.minimums,
+                                           weight.out_features)
         case Int5SuperblockWeight():  # before its base class, Int4SuperblockWeight
             out = cpu_kernels.w5a16_superblock_matmul(x, weight.codes, weight.high_bits, weight.d, weight.dmin,
                                                       weight.sub_scales, weight.sub_mins, weight.out_features)

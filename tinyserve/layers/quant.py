@@ -56,16 +56,17 @@ def _grouped(weight: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class GroupCodes:
     """A matrix's codes per group of 32 inputs, before the kernels' interleaving: the formats' common form,
-    which a file's Q4_0 / Q4_1 / Q8_0 blocks convert to without any float (loader/gguf/blocks.py) and
-    float weights quantize to (int4_group_codes, int8_group_codes), a block of rows at a time.
+    which a file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks convert to without any float (loader/gguf/blocks.py)
+    and float weights quantize to (int4_group_codes, int8_group_codes), a block of rows at a time.
 
-    4 bits (Q4_1's rule): w = code * scale + minimum, code 0..15. 8 bits (Q8_0's): w = (code - 128) * scale,
-    the code stored plus 128 in a byte (the kernels multiply unsigned bytes); minimums None."""
+    4 and 5 bits (Q4_1's rule): w = code * scale + minimum, code 0..15 (0..31). 8 bits (Q8_0's):
+    w = (code - 128) * scale, the code stored plus 128 in a byte (the kernels multiply unsigned bytes); minimums
+    None."""
 
     bits: int
     codes: torch.Tensor  # [rows, in] uint8
     scales: torch.Tensor  # [rows, in / 32] float16
-    minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 bits), None (8 bits)
+    minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 and 5 bits), None (8 bits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -171,6 +172,13 @@ class Int8ChannelWeight:
         return cls(packed, scales.flatten(), out_features), dequantized
 
 
+def _nibble_chunks(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, in] uint8 codes 0..15 -> [rows, groups, 4 chunks, 4 bytes], the int4 kernels' chunks: input i of a
+    group = 8 * chunk + 4 * nibble + byte (the nibbles of a byte: inputs j and j + 4)."""
+    nibbles = codes.reshape(codes.shape[0], -1, 4, 2, 4)
+    return nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+
+
 @dataclass(frozen=True)
 class Int4Weight:
     """Asymmetric int4 per group of 32 inputs (Q4_1): w = code * scale + minimum, code in [0, 15]."""
@@ -192,12 +200,8 @@ class Int4Weight:
         """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
         if codes.bits != 4 or codes.minimums is None:
             raise ValueError(f"Int4Weight takes 4-bit codes with minimums, got {codes.bits}-bit")
-        out_features, in_features = codes.codes.shape
-        # input i of a group = 8 * chunk + 4 * nibble + byte; the nibbles of a byte: inputs j and j + 4
-        nibbles = codes.codes.reshape(out_features, -1, 4, 2, 4)
-        chunks = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
-        packed, (scales, minimums) = kernel_layout(chunks, [codes.scales, codes.minimums])
-        return cls(packed, scales, minimums, out_features)
+        packed, (scales, minimums) = kernel_layout(_nibble_chunks(codes.codes), [codes.scales, codes.minimums])
+        return cls(packed, scales, minimums, codes.codes.shape[0])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout:
@@ -214,6 +218,34 @@ class Int4Weight:
         return values.flatten(1)
 
 
+@dataclass(frozen=True)
+class Int5Weight:
+    """GGUF Q5_0 and Q5_1 matrices in their own 5-bit codes (GroupCodes of 5 bits, Q4_1's rule), for the W4A16
+    kernel (csrc/quantized_matmul_a16.cpp, w5a16_matmul): Int4Weight's interleaved nibbles of the low 4 bits and
+    its float16 scales and minimums, the high bit in a plane beside them (csrc/a16_formats.h). 24 bytes per 32
+    weights of a row, as Q5_1's 24, where Q5_0 has 22 (its minimum, -16 d, kept as a float16)."""
+
+    codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: Int4Weight's layout
+    high_bits: torch.Tensor  # [blocks, in * 2] uint8: per group and row, a 32-bit word (csrc/a16_formats.h)
+    scales: torch.Tensor  # [blocks, groups * 16] float16
+    minimums: torch.Tensor  # [blocks, groups * 16] float16
+    out_features: int
+
+    @classmethod
+    def from_codes(cls, codes: GroupCodes) -> Int5Weight:
+        """The kernel's layout of 5-bit group codes (a file's Q5_0 / Q5_1 blocks)."""
+        if codes.bits != 5 or codes.minimums is None:
+            raise ValueError(f"Int5Weight takes 5-bit codes with minimums, got {codes.bits}-bit")
+        rows = codes.codes.shape[0]
+        packed, (scales, minimums) = kernel_layout(_nibble_chunks(codes.codes & 0x0F), [codes.scales, codes.minimums])
+        high_bits, _ = kernel_layout(packed_high_bits(codes.codes >> 4, 1).reshape(rows, -1, 1, 4), [])
+        return cls(packed, high_bits, scales, minimums, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.high_bits, self.scales, self.minimums))
+
+
 SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32
 
 
@@ -222,6 +254,14 @@ def unpacked_nibbles(codes: torch.Tensor) -> torch.Tensor:
     and 8c + b + 4) -> [rows, in] uint8, a code a byte in input order."""
     chunks = codes.reshape(codes.shape[0], -1, 1, 4)  # [row, group and chunk, 1, byte]
     return torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(codes.shape[0], -1)
+
+
+def packed_high_bits(high: torch.Tensor, bits: int) -> torch.Tensor:
+    """unpacked_high_bits' inverse: [rows, in] uint8 high bits in input order -> the high plane's bytes."""
+    rows = high.shape[0]
+    inputs = torch.arange(32 // bits, dtype=torch.int32)
+    spans = high.reshape(rows, -1, 32 // bits).to(torch.int32) << (8 * (inputs % 4) + bits * (inputs // 4))
+    return spans.sum(-1, dtype=torch.int32).view(torch.uint8).reshape(rows, -1)  # disjoint bits: sum = OR
 
 
 def unpacked_high_bits(high_bits: torch.Tensor, bits: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ module, whose lookups then read the head's codes (layers/embedding.py). No float
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
-int8, in w4a16 mode its Q4_K, Q5_K and Q6_K into Int4-, Int5- and Int6SuperblockWeight, a Q6_K head or
+int8, in w4a16 mode its Q5_0 / Q5_1 into Int5Weight, its Q4_K, Q5_K and Q6_K into Int4-, Int5- and Int6SuperblockWeight, a Q6_K head or
 embedding too: loader/gguf/blocks.py) is copied code for code. Any other (a float tensor, a tensor-parallel
 rank's columns, a K-quant in another mode) is read as float32 rows and quantized by its format's rule
 (layers/quant.py), which is the same for a block of rows as for the whole matrix: each group of 32 inputs is one
@@ -26,13 +26,13 @@ from torch import nn
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
-                                    Int5SuperblockWeight, Int6SuperblockCodes, Int6SuperblockWeight, Int8ChannelWeight,
+                                    Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight, Int8ChannelWeight,
                                     Int8Weight, SuperblockCodes, int4_group_codes, int8_group_codes)
 
 FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
 Decoder = Callable[[Any, Any], FileCodes]  # (fetched bytes, rows) -> codes
 _RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
-_BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each format holds
+_BITS = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}  # the bits of the group codes each format holds
 # the formats of a K-quant's super-blocks (w4a16 alone) -> the codes they are made of
 _SUPERBLOCK_CODES = {Int4SuperblockWeight: SuperblockCodes, Int5SuperblockWeight: Int5SuperblockCodes,
                      Int6SuperblockWeight: Int6SuperblockCodes}
@@ -85,7 +85,7 @@ class StagedLinear:
         halves = dict(dtype=torch.float16, device=device)
         self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
                                 torch.empty(rows, groups, **halves),
-                                torch.empty(rows, groups, **halves) if bits == 4 else None)
+                                torch.empty(rows, groups, **halves) if bits != 8 else None)
 
     def codes_decoder(self, code_bits: int | None, decode_codes: Decoder | None,
                       decode_superblocks: Decoder | None) -> Decoder | None:
@@ -120,7 +120,7 @@ class StagedLinear:
             weight, _ = Int8ChannelWeight.quantize(self.values)
         else:
             weight = self.fmt.from_codes(self.codes)
-            if not self.int8_inputs and self.fmt not in _SUPERBLOCK_CODES:  # those are W4A16 alone
+            if not self.int8_inputs and self.fmt in (Int4Weight, Int8Weight):  # the others are W4A16 alone
                 weight = dataclasses.replace(weight, int8_inputs=False)
         for holder in self.holders:
             holder.weight_format = weight
@@ -157,4 +157,4 @@ def _held_in_file_codes(embedding: Embedding, quantization: str, file_code_bits:
     """Whether an untied embedding's format takes the file's codes as they are (quantized_format): Q4_0 / Q4_1
     / Q8_0 in every mode, Q6_K in w4a16."""
     in_w4a16 = quantization == "w4a16" and superblock_bits.get(embedding) == 6
-    return file_code_bits.get(embedding) is not None or in_w4a16
+    return file_code_bits.get(embedding) in (4, 8) or in_w4a16

@@ -195,6 +195,13 @@ def w4a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tenso
                   sub_scales, sub_mins, out_features)
 
 
+def w5a16_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, scales: torch.Tensor,
+                 minimums: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q5_0 / Q5_1 weight in layers/quant.py's
+    Int5Weight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w5a16_matmul", load().w5a16_matmul, x, codes, high_bits, scales, minimums, out_features)
+
+
 def w5a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, d: torch.Tensor,
                             dmin: torch.Tensor, sub_scales: torch.Tensor, sub_mins: torch.Tensor,
                             out_features: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A GGUF tensor's Q4_0, Q4_1 and Q8_0 blocks as our group codes (layers/quant.py, GroupCodes), bytes to
+"""A GGUF tensor's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks as our group codes (layers/quant.py, GroupCodes), bytes to
 bytes: no float on the way, so the kernels compute from the file's own codes and scales, and a load costs a
 few integer ops per weight instead of a dequantization and a second quantization.
 
@@ -7,6 +7,9 @@ ggml's blocks, 32 weights each, rows of whole blocks:
   in its high nibble); w = (q - 8) * d. As Q4_1's rule that is scale d and minimum -8 * d, both exact in
   float16 (a power-of-two multiple), and the kernels' code * d + (-8 * d) rounds once to the exact (q - 8) * d.
 - Q4_1 (20 bytes): float16 d and m, then the codes as Q4_0's; w = q * d + m: our Int4Weight's own rule.
+- Q5_0 (22 bytes) and Q5_1 (24 bytes): Q4_0's and Q4_1's, with 4 bytes qh (a little-endian word: bit j the high
+  bit of weight j) before the 16 bytes of low 4 bits; w = (q - 16) * d (scale d, minimum -16 * d: exact, and so
+  is the kernels' q * d - 16 * d) or q * d + m, q 0..31.
 - Q8_0 (34 bytes): float16 d, then 32 int8 codes; w = q * d. Our Int8Weight stores q + 128 in a byte,
   which is q's bits with the sign bit flipped.
 
@@ -36,8 +39,11 @@ from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6Superblo
 from tinyserve.loader.errors import ModelLoadError
 
 # each type converted here -> the bits of the group codes it becomes
-CODE_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+CODE_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q5_0: 5,
+             GGMLQuantizationType.Q5_1: 5, GGMLQuantizationType.Q8_0: 8}
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q5_0: 22,
+                GGMLQuantizationType.Q5_1: 24, GGMLQuantizationType.Q8_0: 34}
+_WITH_MINIMUMS = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}  # the others' minimum: -2^(bits - 1) d
 
 
 def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes:
@@ -49,14 +55,22 @@ def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) 
     if tensor_type == GGMLQuantizationType.Q8_0:
         codes = blocks[..., 2:] ^ 0x80  # int8 q -> q + 128
         return GroupCodes(8, codes.reshape(rows, -1), scales, None)
-    if tensor_type == GGMLQuantizationType.Q4_1:
-        minimums, packed = _halves(blocks[..., 2:4]), blocks[..., 4:]
+    bits, at = CODE_BITS[tensor_type], 2
+    if tensor_type in _WITH_MINIMUMS:
+        minimums, at = _halves(blocks[..., 2:4]), 4
     else:
-        minimums, packed = (scales.float() * -8).to(torch.float16), blocks[..., 2:]
+        offset = 1 << (bits - 1)
+        minimums = (scales.float() * -offset).to(torch.float16)
         if not bool(torch.isfinite(minimums).all()) and bool(torch.isfinite(scales).all()):
-            raise ModelLoadError(f"tensor {name!r}: a Q4_0 scale over 8188 has no float16 minimum (-8 * d)")
+            raise ModelLoadError(f"tensor {name!r}: a {tensor_type.name} scale over {65504 // offset} has no float16 "
+                                 f"minimum (-{offset} * d)")
+    qh_bytes = 4 if bits == 5 else 0
+    packed = blocks[..., at + qh_bytes:]
     codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # weights 0..15, then 16..31 of each block
-    return GroupCodes(4, codes.reshape(rows, -1), scales, minimums)
+    if qh_bytes:  # weight j's high bit: bit j of the word qh
+        qh = blocks[..., at:at + 4].contiguous().view(torch.int32)
+        codes |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+    return GroupCodes(bits, codes.reshape(rows, -1), scales, minimums)
 
 
 _Q4_K_WORDS = 36  # 144 bytes: words 0 (d, dmin), 1-3 (the packed 6-bit values), 4-35 (the codes)
