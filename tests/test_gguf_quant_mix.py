@@ -121,9 +121,9 @@ W4A16_MIX_FORMATS = INT4_MIX_FORMATS | {"model.layers.0.mlp.down_proj": Int5Weig
 def test_mixed_model_computes_its_mixed_quantized_values(mixed_path, quantization, dtype, tolerance, formats):
     """The logits of the quantized load against float32: the file's dequantized values, each shard of a linear
     then set to its format's values in the table: the file's own where the format takes its type's codes as
-    they are (Q4_0 / Q4_1 into int4, Q8_0 into int8, Q5_0 / Q5_1 into w4a16's Int5Weight), else its format's rule (as tests/test_quant.py checks a
-    uniform mode). w4a16 at float32 computes those values with unrounded activations: only the order of the
-    sums differs."""
+    they are (Q4_0 / Q4_1 into int4, Q8_0 into int8, Q5_0 / Q5_1 into w4a16's Int5Weight), else its format's
+    rule (as tests/test_quant.py checks a uniform mode). w4a16 at float32 computes those values with unrounded
+    activations: only the order of the sums differs."""
     model = _build(mixed_path, dtype=dtype, quantization=quantization)
     assert _formats(model) == formats
     assert_logits_match_the_formats_values(model, mixed_path, formats, TAKEN_AS_CODES, tolerance)

@@ -41,7 +41,8 @@ def kernel_layout(chunks: torch.Tensor, values: list[torch.Tensor]) -> tuple[tor
     blocks = -(-rows // KERNEL_ROWS)
     pad = blocks * KERNEL_ROWS - rows
     chunks = F.pad(chunks, (0, 0, 0, 0, 0, 0, 0, pad))
-    codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, chunks.shape[-1]).permute(0, 2, 3, 1, 4).reshape(blocks, -1)
+    codes = chunks.reshape(blocks, KERNEL_ROWS, groups, -1, chunks.shape[-1]).permute(0, 2, 3, 1, 4)
+    codes = codes.reshape(blocks, -1)
     return codes.contiguous(), [F.pad(v, (0, 0, 0, pad)).reshape(blocks, KERNEL_ROWS, -1).transpose(1, 2)
                                 .reshape(blocks, -1).contiguous() for v in values]
 

@@ -5,11 +5,11 @@ module, whose lookups then read the head's codes (layers/embedding.py). No float
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
-int8, in w4a16 mode its Q5_0 / Q5_1 into Int5Weight, its Q4_K, Q5_K and Q6_K into Int4-, Int5- and Int6SuperblockWeight, a Q6_K head or
-embedding too: loader/gguf/blocks.py) is copied code for code. Any other (a float tensor, a tensor-parallel
-rank's columns, a K-quant in another mode) is read as float32 rows and quantized by its format's rule
-(layers/quant.py), which is the same for a block of rows as for the whole matrix: each group of 32 inputs is one
-row's.
+int8, in w4a16 mode its Q5_0 / Q5_1 into Int5Weight, its Q4_K, Q5_K and Q6_K into Int4-, Int5- and
+Int6SuperblockWeight, a Q6_K head or embedding too: loader/gguf/blocks.py) is copied code for code. Any other (a
+float tensor, a tensor-parallel rank's columns, a K-quant or Q5_x in another mode) is read as float32 rows and
+quantized by its format's rule (layers/quant.py), which is the same for a block of rows as for the whole matrix:
+each group of 32 inputs is one row's.
 Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.
 """
 
@@ -26,8 +26,9 @@ from torch import nn
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
-                                    Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight, Int8ChannelWeight,
-                                    Int8Weight, SuperblockCodes, int4_group_codes, int8_group_codes)
+                                    Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
+                                    Int8ChannelWeight, Int8Weight, SuperblockCodes, int4_group_codes,
+                                    int8_group_codes)
 
 FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
 Decoder = Callable[[Any, Any], FileCodes]  # (fetched bytes, rows) -> codes

@@ -52,10 +52,10 @@ class TensorSource:
     Without them, `read` and `read_rows` run whole on the I/O thread.
     `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
     (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes
-    of those bits. `decode_superblocks`, where the file's codes are a K-quant's super-blocks: decode_superblocks(fetched,
-    rows) -> their codes (Q4_K's SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's Int6SuperblockCodes: w4a16's
-    formats). `release`: drops the file's pages of the
-    tensor from the process once it is read (GGUFFile.release)."""
+    of those bits. `decode_superblocks`, where the file's codes are a K-quant's super-blocks:
+    decode_superblocks(fetched, rows) -> their codes (Q4_K's SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's
+    Int6SuperblockCodes: w4a16's formats). `release`: drops the file's pages of the tensor from the process once
+    it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
