@@ -52,14 +52,16 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def write_random_llama(path, types, quantize):
+def write_random_llama(path, types, quantize, tied: bool = False):
     """A tiny random Llama whose matrices take 256 inputs or more (a K-quant super-block), written with
-    `types` (GGUF name -> type) by _write."""
+    `types` (GGUF name -> type) by _write, each matrix's blocks by quantize(w, type); tied: its head is the
+    embedding (no output.weight)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
-    return _write(path, transformers.LlamaForCausalLM(config).eval(), types=types, quantize=quantize)
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
+    return _write(path, transformers.LlamaForCausalLM(config).eval(), types=types, quantize=quantize,
+                  drop=("output.weight",) if tied else ())
 
 
 def _write(path, model, qtype=Q.F32, arch="llama", drop=(), edit=None, types=None, quantize=gguf.quants.quantize):

@@ -15,7 +15,7 @@ from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_format
 
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
-from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int8Weight
+from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int6SuperblockWeight, Int8Weight
 from tinyserve.loader.gguf.blocks import superblock_codes
 from tinyserve.loader.gguf.checkpoint import open_gguf
 
@@ -26,7 +26,19 @@ needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C+
 
 def _blocks(seed: int) -> np.ndarray:
     """[ROWS, bytes per row]: random codes, 6-bit scales and minimums, finite float16 d and dmin of either sign."""
-    return random_blocks(Q.Q4_K, ROWS * COLS, np.random.default_rng(seed)).reshape(ROWS, -1)
+    return random_rows(Q.Q4_K, seed)
+
+
+def random_rows(qtype: Q, seed: int, rows: int = ROWS, cols: int = COLS) -> np.ndarray:
+    """[rows, bytes per row] of random blocks of qtype (test_gguf_dequant.random_blocks: random codes, finite
+    float16 scales of either sign)."""
+    return random_blocks(qtype, rows * cols, np.random.default_rng(seed)).reshape(rows, -1)
+
+
+def exact_values(qtype: Q, blocks: np.ndarray) -> torch.Tensor:
+    """float64 [rows, in]: the file's values, by the test's own reading of ggml's format (test_gguf_dequant)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    return torch.from_numpy(REFERENCES[qtype](blocks.reshape(-1, block_bytes))).reshape(blocks.shape[0], -1)
 
 
 def _matmul(x: torch.Tensor, weight: Int4SuperblockWeight) -> torch.Tensor:
@@ -57,11 +69,17 @@ def test_the_kernel_computes_with_the_file_s_values(tokens, dtype):
     blocks = _blocks(1)
     weight = Int4SuperblockWeight.from_codes(superblock_codes(blocks))
     values = torch.from_numpy(REFERENCES[Q.Q4_K](blocks.reshape(-1, BLOCK_BYTES))).reshape(ROWS, COLS)
-    x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(tokens)).to(dtype)
-    got = _matmul(x, weight)
-    assert got.dtype == dtype and tuple(got.shape) == (tokens, ROWS)
+    assert_within_the_bound(lambda x: _matmul(x, weight), values, tokens, dtype, COLS + 2)
+
+
+def assert_within_the_bound(matmul, values: torch.Tensor, tokens: int, dtype: torch.dtype, terms: int) -> None:
+    """matmul(x) for random x [tokens, in] of dtype against float64 on values [out, in]: within
+    terms * 2^-24 * sum_k |x_k w_k|, plus 2^-8 of the value for a bfloat16 output."""
+    x = torch.randn(tokens, values.shape[1], generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    got = matmul(x)
+    assert got.dtype == dtype and tuple(got.shape) == (tokens, values.shape[0])
     exact = x.double() @ values.T
-    bound = (COLS + 2) * 2.0 ** -24 * (x.double().abs() @ values.abs().T)
+    bound = terms * 2.0 ** -24 * (x.double().abs() @ values.abs().T)
     if dtype == torch.bfloat16:
         bound += 2.0 ** -8 * exact.abs()
     assert ((got.double() - exact).abs() <= bound).all()
@@ -71,12 +89,18 @@ def test_the_kernel_computes_with_the_file_s_values(tokens, dtype):
 def test_a_token_s_output_is_the_same_bits_in_any_batch():
     """Each (token, row) sum runs over the inputs in one order whatever the step's size or tiling."""
     weight = Int4SuperblockWeight.from_codes(superblock_codes(_blocks(2)))
-    x = torch.randn(64, COLS, generator=torch.Generator().manual_seed(2))
-    full = _matmul(x, weight)
+    assert_the_same_bits_in_any_batch(lambda x: _matmul(x, weight), COLS, seed=2)
+
+
+def assert_the_same_bits_in_any_batch(matmul, cols: int, seed: int) -> None:
+    """matmul(x) on 64 random tokens of `cols` inputs: each token's output the same bits in any prefix of them
+    and alone."""
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(seed))
+    full = matmul(x)
     for n in range(1, 65):
-        assert torch.equal(_matmul(x[:n], weight), full[:n]), n
+        assert torch.equal(matmul(x[:n]), full[:n]), n
     for t in (1, 30, 63):
-        assert torch.equal(_matmul(x[t:t + 1], weight), full[t:t + 1]), t
+        assert torch.equal(matmul(x[t:t + 1]), full[t:t + 1]), t
 
 
 def test_the_format_holds_the_file_s_bytes_and_2_8_percent_more():
@@ -110,14 +134,21 @@ def q4_k_bytes(w: np.ndarray) -> np.ndarray:
     return block.reshape(rows, -1)
 
 
+_SMALL_SCALES = {Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # the float16 fields _quantize sets in random K-quant blocks
+
+
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """Q4_K by q4_k_bytes; Q6_K as random codes with a small d (weights within ~0.05); the rest gguf-py's."""
+    """Q4_K by q4_k_bytes; Q5_K and Q6_K as random codes with small d (and dmin) (weights within ~0.05); the rest
+    gguf-py's."""
     if qtype == Q.Q4_K:
         return q4_k_bytes(w)
-    if qtype == Q.Q6_K:
+    if qtype in _SMALL_SCALES:
         rows, cols = w.shape
-        data = np.random.default_rng(rows * cols).integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
-        data[..., 208:210] = np.frombuffer(np.float16(1e-5).tobytes(), dtype=np.uint8)
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        data = np.random.default_rng(rows * cols).integers(0, 256, size=(rows, cols // 256, block_bytes),
+                                                           dtype=np.uint8)
+        for at in _SMALL_SCALES[qtype]:
+            data[..., at:at + 2] = np.frombuffer(np.float16(1e-5).tobytes(), dtype=np.uint8)
         return data.reshape(rows, -1)
     return gguf.quants.quantize(w, qtype)
 
@@ -130,36 +161,39 @@ def test_the_test_s_quantizer_writes_q4_k_near_its_input():
 
 # a Q4_K_M-like mix: Q4_K but for a V and a down projection and the head at Q6_K and two tensors at Q4_0
 _PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-MIX = {f"blk.{layer}.{part}.weight": Q.Q4_K for layer in (0, 1) for part in _PARTS} | {
+ALL_Q4_K = {f"blk.{layer}.{part}.weight": Q.Q4_K for layer in (0, 1) for part in _PARTS}  # write_tiny_llama's
+MIX = ALL_Q4_K | {
     "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K, "output.weight": Q.Q6_K,
     "blk.1.attn_output.weight": Q.Q4_0, "blk.1.ffn_up.weight": Q.Q4_0, "token_embd.weight": Q.Q4_K}
-# our module -> its format in w4a16 mode: Q4_K's own where every shard is Q4_K; a shard above 4 bits: int8;
-# else int4, where a Q4_0 shard keeps its own codes and a Q4_K shard is quantized by int4's rule
+# our module -> its format in w4a16 mode: Q4_K's (Q6_K's) own where every shard is Q4_K (Q6_K: the head too,
+# tests/test_gguf_q6_k.py); else a shard above 4 bits: int8; else int4, where a Q4_0 shard keeps its own codes
+# and a Q4_K shard is quantized by int4's rule
 W4A16_FORMATS = {
     "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.0.self_attn.o_proj": Int4SuperblockWeight,
-    "model.layers.0.mlp.gate_up_proj": Int4SuperblockWeight, "model.layers.0.mlp.down_proj": Int8Weight,
+    "model.layers.0.mlp.gate_up_proj": Int4SuperblockWeight, "model.layers.0.mlp.down_proj": Int6SuperblockWeight,
     "model.layers.1.self_attn.qkv_proj": Int4SuperblockWeight, "model.layers.1.self_attn.o_proj": Int4Weight,
     "model.layers.1.mlp.gate_up_proj": Int4Weight, "model.layers.1.mlp.down_proj": Int4SuperblockWeight,
-    "lm_head": Int8Weight,
+    "lm_head": Int6SuperblockWeight,
 }
 # the tensor types a format takes code for code; a shard of any other is quantized by its rule
-TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}, Int4SuperblockWeight: {Q.Q4_K}}
+TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}, Int4SuperblockWeight: {Q.Q4_K},
+                  Int6SuperblockWeight: {Q.Q6_K}}
 
 
 @pytest.fixture(scope="module")
 def mixed_path(tmp_path_factory):
-    """A tiny random Llama whose matrices take 256 inputs or more (a super-block), written as MIX."""
-    return write_random_llama(tmp_path_factory.mktemp("q4k") / "mixed.gguf", MIX, _quantize)
+    return write_tiny_llama(tmp_path_factory.mktemp("q4k") / "mixed.gguf", MIX)
+
+
+def write_tiny_llama(path, types: dict, tied: bool = False):
+    """write_random_llama with _quantize's blocks (GGUF name -> type in `types`)."""
+    return write_random_llama(path, types, _quantize, tied)
 
 
 @needs_int_kernels
 def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
-    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
-    assert _formats(model) == W4A16_FORMATS
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    assert all(m.weight.is_meta for m in linears.values())
+    _, linears, stored = load_in_formats(mixed_path, W4A16_FORMATS)
     # the Q4_K linears hold their file's bytes and 148/144 of them (every row count here a multiple of 16)
-    stored = {t.name: t.data.nbytes for t in open_gguf(mixed_path).tensors}
     for name, fmt in W4A16_FORMATS.items():
         if fmt is Int4SuperblockWeight:
             file_bytes = sum(stored[gguf_name] for gguf_name in _gguf_names(name))
@@ -169,6 +203,25 @@ def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
 @needs_int_kernels
 def test_the_q4_k_linears_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
+    dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
+    superblock_tensors = {gguf_name for name, fmt in W4A16_FORMATS.items() if fmt is Int4SuperblockWeight
+                          for gguf_name in _gguf_names(name)}
+    assert superblock_tensors and not superblock_tensors & dequantized
+    assert "blk.0.attn_q.weight" in dequantized  # a Q4_K shard of an int8 linear (its V is Q6_K) is
+
+
+def load_in_formats(path, formats: dict) -> tuple:
+    """The file loaded in w4a16 mode, its modules in `formats` (by name) and no float copy of a linear left:
+    (the model, its Linears by name, the file's bytes by GGUF tensor name)."""
+    model = _build(path, dtype=torch.float32, quantization="w4a16")
+    assert _formats(model) == formats
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert all(m.weight.is_meta for m in linears.values())
+    return model, linears, {t.name: t.data.nbytes for t in open_gguf(path).tensors}
+
+
+def dequantized_in_a_w4a16_load(path, monkeypatch) -> set[str]:
+    """The GGUF tensors a w4a16 load of the file reads as floats (the others: as codes)."""
     from tinyserve.loader.gguf import checkpoint
 
     dequantized, dequantize = set(), checkpoint._dequantize
@@ -178,11 +231,8 @@ def test_the_q4_k_linears_load_without_a_float(mixed_path, monkeypatch):
         return dequantize(tensor, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "_dequantize", recorded)
-    _build(mixed_path, dtype=torch.float32, quantization="w4a16")
-    superblock_tensors = {gguf_name for name, fmt in W4A16_FORMATS.items() if fmt is Int4SuperblockWeight
-                          for gguf_name in _gguf_names(name)}
-    assert superblock_tensors and not superblock_tensors & dequantized
-    assert "blk.0.attn_q.weight" in dequantized  # a Q4_K shard of an int8 linear (its V is Q6_K) is
+    _build(path, dtype=torch.float32, quantization="w4a16")
+    return dequantized
 
 
 def _gguf_names(module: str) -> list[str]:
@@ -195,9 +245,17 @@ def _gguf_names(module: str) -> list[str]:
 
 @needs_int_kernels
 def test_int4_mode_keeps_requantizing_q4_k(mixed_path):
-    """int4 (int8 activations) has no super-block kernel: a Q4_K linear is requantized to Int4Weight by rows."""
-    expected = {name: Int4Weight if fmt is Int4SuperblockWeight else fmt for name, fmt in W4A16_FORMATS.items()}
-    assert _formats(_build(mixed_path, dtype=torch.bfloat16, quantization="int4")) == expected
+    """int4 (int8 activations) has no super-block kernel: a Q4_K linear is requantized to Int4Weight by rows (a
+    Q6_K one to Int8Weight)."""
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int4SuperblockWeight: Int4Weight,
+                                                       Int6SuperblockWeight: Int8Weight})
+
+
+def assert_int4_mode_holds(path, w4a16_formats: dict, int4_formats: dict) -> None:
+    """The file loaded in int4 mode (bfloat16) holds its modules in w4a16's formats (by name) changed by
+    int4_formats (w4a16's format -> int4's)."""
+    expected = {name: int4_formats.get(fmt, fmt) for name, fmt in w4a16_formats.items()}
+    assert _formats(_build(path, dtype=torch.bfloat16, quantization="int4")) == expected
 
 
 @needs_int_kernels
@@ -206,5 +264,10 @@ def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
     then set to its format's values where the format does not take its type's codes as they are (its rule, as
     tests/test_quant.py checks a uniform mode): Q4_K linears computed from their own codes give the file's
     values, so only the order of the sums differs."""
-    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
-    assert_logits_match_the_formats_values(model, mixed_path, W4A16_FORMATS, TAKEN_AS_CODES, 1e-5)
+    assert_w4a16_logits_match(mixed_path, W4A16_FORMATS, TAKEN_AS_CODES)
+
+
+def assert_w4a16_logits_match(path, formats: dict, taken: dict) -> None:
+    """The file's w4a16 load (float32) against the reference on its formats' values (within 1e-5)."""
+    model = _build(path, dtype=torch.float32, quantization="w4a16")
+    assert_logits_match_the_formats_values(model, path, formats, taken, 1e-5)

@@ -15,7 +15,7 @@ from test_gguf import _gguf_name, _k_quant_bytes, _write, tiny_llama  # tiny_lla
 from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead
-from tinyserve.layers.quant import Int4Weight, Int8ChannelWeight, Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int5Weight, Int8ChannelWeight, Int8Weight
 from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 from tinyserve.loader.weights import match_tensors
@@ -109,20 +109,24 @@ def test_int8_mode_keeps_q8_0_and_puts_the_rest_in_int8_per_row(mixed_path):
 
 
 # the tensor types a format takes code for code (loader/gguf/blocks.py); any other is quantized by its rule
-TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}}
+TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}, Int5Weight: {Q.Q5_0, Q.Q5_1}}
+# w4a16 holds what int4 holds, but a linear the file stores all in Q5_0 / Q5_1 in its own codes
+# (tests/test_gguf_q5_0_q5_1.py)
+W4A16_MIX_FORMATS = INT4_MIX_FORMATS | {"model.layers.0.mlp.down_proj": Int5Weight}
 
 
 @needs_int_kernels
-@pytest.mark.parametrize("quantization, dtype, tolerance", [("int4", torch.bfloat16, 0.05),
-                                                             ("w4a16", torch.float32, 1e-5)])
-def test_mixed_model_computes_its_mixed_quantized_values(mixed_path, quantization, dtype, tolerance):
+@pytest.mark.parametrize("quantization, dtype, tolerance, formats", [
+    ("int4", torch.bfloat16, 0.05, INT4_MIX_FORMATS), ("w4a16", torch.float32, 1e-5, W4A16_MIX_FORMATS)])
+def test_mixed_model_computes_its_mixed_quantized_values(mixed_path, quantization, dtype, tolerance, formats):
     """The logits of the quantized load against float32: the file's dequantized values, each shard of a linear
     then set to its format's values in the table: the file's own where the format takes its type's codes as
-    they are (Q4_0 / Q4_1 into int4, Q8_0 into int8), else its format's rule (as tests/test_quant.py checks a
-    uniform mode). w4a16 at float32 computes those values with unrounded activations: only the order of the
-    sums differs."""
+    they are (Q4_0 / Q4_1 into int4, Q8_0 into int8, Q5_0 / Q5_1 into w4a16's Int5Weight), else its format's
+    rule (as tests/test_quant.py checks a uniform mode). w4a16 at float32 computes those values with unrounded
+    activations: only the order of the sums differs."""
     model = _build(mixed_path, dtype=dtype, quantization=quantization)
-    assert_logits_match_the_formats_values(model, mixed_path, INT4_MIX_FORMATS, TAKEN_AS_CODES, tolerance)
+    assert _formats(model) == formats
+    assert_logits_match_the_formats_values(model, mixed_path, formats, TAKEN_AS_CODES, tolerance)
 
 
 def assert_logits_match_the_formats_values(model, path, formats: dict[str, type], taken: dict[type, set],

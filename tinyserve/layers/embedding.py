@@ -17,16 +17,16 @@ from torch import nn
 
 from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
-from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int6SuperblockWeight, Int8Weight
 from tinyserve.layers.weight_format import DenseWeight
 from tinyserve.parallel.group import SINGLE, TensorParallelGroup
 from tinyserve.parallel.shard import CheckpointSlice, column_slice
 
 
 class Embedding(DirectCall, nn.Embedding):
-    """Looks rows up in `weight_format`: DenseWeight(self.weight), or the Int8Weight / Int4Weight of a
-    quantized tied head (set by the loader; `weight` is then a placeholder on meta). The same NOTE as
-    Linear's holds: a replaced parameter needs use_dense_weight again."""
+    """Looks rows up in `weight_format`: DenseWeight(self.weight), or the Int8Weight / Int4Weight /
+    Int6SuperblockWeight of a quantized tied head (set by the loader; `weight` is then a placeholder on meta).
+    The same NOTE as Linear's holds: a replaced parameter needs use_dense_weight again."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup = SINGLE):
         """Tensor parallel: this rank holds rows [rank x V / T, (rank + 1) x V / T) of the V-token vocabulary."""
@@ -42,7 +42,7 @@ class Embedding(DirectCall, nn.Embedding):
         pass  # filled by the loader (see the module docstring)
 
     def use_dense_weight(self) -> None:
-        self.weight_format: DenseWeight | Int8Weight | Int4Weight = DenseWeight(self.weight)
+        self.weight_format: DenseWeight | Int8Weight | Int4Weight | Int6SuperblockWeight = DenseWeight(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_slice is None:

@@ -21,7 +21,8 @@ from torch import nn
 from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
 from tinyserve.layers.embedding import Embedding
-from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int8ChannelWeight, Int8Weight
+from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
+                                    Int6SuperblockWeight, Int8ChannelWeight, Int8Weight)
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
 from tinyserve.parallel.group import TensorParallelGroup
 from tinyserve.parallel.shard import CheckpointSlice
@@ -226,21 +227,31 @@ def log_kept_at_int8(quantization: str, block_formats: list[QuantizedFormat]) ->
                     len(block_formats))
 
 
-QuantizedFormat = type[Int4Weight] | type[Int8Weight] | type[Int8ChannelWeight] | type[Int4SuperblockWeight]
+QuantizedFormat = (type[Int4Weight] | type[Int8Weight] | type[Int8ChannelWeight] | type[Int4SuperblockWeight]
+                   | type[Int5Weight] | type[Int5SuperblockWeight] | type[Int6SuperblockWeight])
+# the bits of a K-quant's super-blocks (Q4_K: 4, Q5_K: 5, Q6_K: 6) -> the format w4a16 computes them in, from
+# their codes
+SUPERBLOCK_FORMATS = {4: Int4SuperblockWeight, 5: Int5SuperblockWeight, 6: Int6SuperblockWeight}
 
 
 def quantized_format(module: Linear | TiedLMHead | Embedding, quantization: str,
-                     file_code_bits: int | None = None, superblocks: bool = False) -> QuantizedFormat:
+                     file_code_bits: int | None = None, superblock_bits: int | None = None) -> QuantizedFormat:
     """The format `quantization` gives the module's matrix (quantize_linear_weights says why).
     file_code_bits: the bits of the file's codes that our formats take as they are (a GGUF's Q4_0 / Q4_1: 4,
-    Q8_0: 8; None: other types or a float checkpoint): the LM head (and an untied embedding held in codes)
-    keeps the file's own 4-bit codes where it has them, as llama.cpp computes it, and is int8 otherwise.
-    superblocks: the file stores the whole matrix in Q4_K, which w4a16 computes from its own codes
-    (Int4SuperblockWeight); the other modes requantize it to int4 by rows."""
+    Q5_0 / Q5_1: 5, w4a16's Int5Weight alone; Q8_0: 8; None: other types or a float checkpoint): the LM head (and
+    an untied embedding held in codes) keeps the file's own 4-bit codes where it has them, as llama.cpp computes
+    it, and is int8 otherwise.
+    superblock_bits: the file stores the whole matrix in one K-quant type of these bits (Q4_K, Q5_K, Q6_K), which
+    w4a16 computes from its own codes (SUPERBLOCK_FORMATS; a head too where it is Q6_K: the file's values in
+    fewer bytes than int8's); the other modes requantize it by rows."""
+    if quantization == "w4a16" and superblock_bits == 6:
+        return Int6SuperblockWeight
     if isinstance(module, Embedding) or module.is_lm_head:
         return Int4Weight if file_code_bits == 4 and quantization != "int8" else Int8Weight
-    if superblocks and quantization == "w4a16":
-        return Int4SuperblockWeight
+    if quantization == "w4a16" and superblock_bits in SUPERBLOCK_FORMATS:
+        return SUPERBLOCK_FORMATS[superblock_bits]
+    if quantization == "w4a16" and file_code_bits == 5:
+        return Int5Weight
     if module.stored_bits == 8:  # Q8_0 in the file: its own values
         return Int8Weight
     if quantization == "int8":

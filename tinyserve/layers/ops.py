@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers import kv_cache
 from tinyserve.layers.kv_cache import KVCache
-from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int8ChannelWeight, Int8Weight
+from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
+                                    Int6SuperblockWeight, Int8ChannelWeight, Int8Weight)
 from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
 
 
@@ -163,20 +164,29 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
             out = matmul(x, weight.codes, weight.scales, weight.out_features)
         case Int8ChannelWeight():
             out = cpu_kernels.int8_channel_matmul(x, weight.codes, weight.scales, weight.out_features)
+        case Int5Weight():
+            out = cpu_kernels.w5a16_matmul(x, weight.codes, weight.high_bits, weight.scales, weight.minimums,
+                                           weight.out_features)
+        case Int5SuperblockWeight():  # before its base class, Int4SuperblockWeight
+            out = cpu_kernels.w5a16_superblock_matmul(x, weight.codes, weight.high_bits, weight.d, weight.dmin,
+                                                      weight.sub_scales, weight.sub_mins, weight.out_features)
         case Int4SuperblockWeight():
             out = cpu_kernels.w4a16_superblock_matmul(x, weight.codes, weight.d, weight.dmin, weight.sub_scales,
                                                       weight.sub_mins, weight.out_features)
+        case Int6SuperblockWeight():
+            out = cpu_kernels.w6a16_superblock_matmul(x, weight.codes, weight.high_bits, weight.d, weight.sub_scales,
+                                                      weight.out_features)
         case _:
             raise TypeError(f"no linear for a {type(weight).__name__}")
     return out if bias is None else out + bias
 
 
-def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight) -> torch.Tensor:
-    """Rows `ids` of the matrix: [n] -> [n, dim]; from int8 or int4 codes as float32 (the caller casts)."""
+def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight | Int6SuperblockWeight) -> torch.Tensor:
+    """Rows `ids` of the matrix: [n] -> [n, dim]; from codes (int8, int4, Q6_K's) as float32 (the caller casts)."""
     match weight:
         case DenseWeight():
             return F.embedding(ids, weight.weight)
-        case Int8Weight() | Int4Weight():
+        case Int8Weight() | Int4Weight() | Int6SuperblockWeight():
             return weight.rows(ids)
         case _:
             raise TypeError(f"no embedding lookup for a {type(weight).__name__}")

@@ -12,6 +12,8 @@
 - Int8Weight, Int4Weight (layers/quant.py): weight-only quantization, in our int kernels' layout.
 - Int8ChannelWeight (layers/quant.py): int8 with one scale per row, which prefills at 1.6-2x bfloat16.
 - Int4SuperblockWeight (layers/quant.py): a GGUF's Q4_K matrix in its own codes and super-block scales (w4a16).
+- Int5Weight, Int5SuperblockWeight, Int6SuperblockWeight (layers/quant.py): a GGUF's Q5_0 / Q5_1, Q5_K, Q6_K
+  matrix in its own 5-bit, 5-bit, 6-bit codes and scales (w4a16).
 
 Whatever the format, the plain copy is dropped once it is repacked: weights live once, in the layout
 their kernel reads.
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int8ChannelWeight, Int8Weight, kernel_layout
+from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
+                                    Int6SuperblockWeight, Int8ChannelWeight, Int8Weight, kernel_layout)
 
 # Tokens per step oneDNN's blocked layout is tuned for; near the best at every step size measured
 # (docs/PERFORMANCE.md, "Changes, each measured before and after").
@@ -62,4 +65,4 @@ class Bf16Weight:
 
 
 LinearWeight = (DenseWeight | OneDnnWeight | Bf16Weight | Int8Weight | Int4Weight | Int8ChannelWeight
-                | Int4SuperblockWeight)
+                | Int4SuperblockWeight | Int5Weight | Int5SuperblockWeight | Int6SuperblockWeight)

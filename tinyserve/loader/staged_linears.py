@@ -5,17 +5,18 @@ module, whose lookups then read the head's codes (layers/embedding.py). No float
 already built, at most one Linear's codes (a byte per weight) and one block of rows in float32.
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
-int8, in w4a16 mode its Q4_K into Int4SuperblockWeight: loader/gguf/blocks.py) is copied code for code. Any
-other (another K-quant, a float tensor, a tensor-parallel rank's columns) is read as float32 rows and quantized
-by its format's rule (layers/quant.py), which is the same for a block of rows as for the whole matrix: each
-group of 32 inputs is one row's.
+int8, in w4a16 mode its Q5_0 / Q5_1 into Int5Weight, its Q4_K, Q5_K and Q6_K into Int4-, Int5- and
+Int6SuperblockWeight, a Q6_K head or embedding too: loader/gguf/blocks.py) is copied code for code. Any other (a
+float tensor, a tensor-parallel rank's columns, a K-quant or Q5_x in another mode) is read as float32 rows and
+quantized by its format's rule (layers/quant.py), which is the same for a block of rows as for the whole matrix:
+each group of 32 inputs is one row's.
 Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,26 +25,32 @@ from torch import nn
 
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
-from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int8ChannelWeight, Int8Weight,
-                                    SuperblockCodes, int4_group_codes, int8_group_codes)
+from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
+                                    Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
+                                    Int8ChannelWeight, Int8Weight, SuperblockCodes, int4_group_codes,
+                                    int8_group_codes)
 
-
-Decoder = Callable[[Any, Any], "GroupCodes | SuperblockCodes"]  # (fetched bytes, rows) -> codes
+FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
+Decoder = Callable[[Any, Any], FileCodes]  # (fetched bytes, rows) -> codes
 _RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
-_BITS = {Int4Weight: 4, Int8Weight: 8}  # the bits of the group codes each format holds
+_BITS = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}  # the bits of the group codes each format holds
+# the formats of a K-quant's super-blocks (w4a16 alone) -> the codes they are made of
+_SUPERBLOCK_CODES = {Int4SuperblockWeight: SuperblockCodes, Int5SuperblockWeight: Int5SuperblockCodes,
+                     Int6SuperblockWeight: Int6SuperblockCodes}
 
 
 @dataclass
 class StagedLinear:
     """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight,
-    Int8Weight; Int4SuperblockWeight's SuperblockCodes), or `values` (Int8ChannelWeight, float32 [out, in])."""
+    Int8Weight; the super-block formats' SuperblockCodes, Int5SuperblockCodes, Int6SuperblockCodes), or `values`
+    (Int8ChannelWeight, float32 [out, in])."""
 
     holders: tuple[nn.Module, ...]  # the modules that take the format: a Linear; a tied head and its embedding
     fmt: QuantizedFormat
     int8_inputs: bool
     shape: tuple[int, int]  # [out, in]
     rows_left: int = field(init=False)  # of the weight, not written yet
-    codes: GroupCodes | SuperblockCodes | None = None
+    codes: FileCodes | None = None
     values: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -51,11 +58,12 @@ class StagedLinear:
 
     @classmethod
     def start(cls, matrix: Linear | TiedLMHead | Embedding, quantization: str,
-              file_code_bits: int | None, superblocks: bool = False) -> StagedLinear:
+              file_code_bits: int | None, superblock_bits: int | None = None) -> StagedLinear:
         """Its format chosen (file_code_bits: the bits of the file's codes that convert as they are, for
-        every tensor of it; None: not all do; superblocks: every tensor of it is Q4_K); its buffers come with
-        its first rows (_buffers), so that at most one matrix's are held at a time."""
-        fmt = quantized_format(matrix, quantization, file_code_bits, superblocks)
+        every tensor of it; None: not all do; superblock_bits: every tensor of it is the K-quant of these bits,
+        Q4_K, Q5_K or Q6_K); its buffers come with its first rows (_buffers), so that at most one matrix's are held at
+        a time."""
+        fmt = quantized_format(matrix, quantization, file_code_bits, superblock_bits)
         if isinstance(matrix, TiedLMHead):
             holders, shape = (matrix, matrix.embedding), tuple(matrix.embedding.weight.shape)
         elif isinstance(matrix, Embedding):
@@ -71,26 +79,26 @@ class StagedLinear:
         if self.fmt is Int8ChannelWeight:
             self.values = torch.empty(rows, inputs, dtype=torch.float32, device=device)
             return
-        if self.fmt is Int4SuperblockWeight:
-            self.codes = SuperblockCodes.empty(rows, inputs, device)
+        if self.fmt in _SUPERBLOCK_CODES:
+            self.codes = _SUPERBLOCK_CODES[self.fmt].empty(rows, inputs, device)
             return
         bits, groups = _BITS[self.fmt], inputs // GROUP
         halves = dict(dtype=torch.float16, device=device)
-        self.codes = GroupCodes(bits, torch.empty(rows, inputs * bits // 8, dtype=torch.uint8, device=device),
+        self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
                                 torch.empty(rows, groups, **halves),
-                                torch.empty(rows, groups, **halves) if bits == 4 else None)
+                                torch.empty(rows, groups, **halves) if bits != 8 else None)
 
     def codes_decoder(self, code_bits: int | None, decode_codes: Decoder | None,
                       decode_superblocks: Decoder | None) -> Decoder | None:
         """Of a source's decoders (TensorSource's fields of these names), the one into codes this format copies
-        in as they are (group codes of its bits, or Q4_K's super-blocks); None: its rows come as float32."""
-        if self.fmt is Int4SuperblockWeight:
+        in as they are (group codes of its bits, or a K-quant's super-blocks); None: its rows come as float32."""
+        if self.fmt in _SUPERBLOCK_CODES:
             return decode_superblocks
         return decode_codes if code_bits == _BITS.get(self.fmt) else None
 
-    def write(self, row: int, piece: torch.Tensor | GroupCodes | SuperblockCodes) -> None:
+    def write(self, row: int, piece: torch.Tensor | FileCodes) -> None:
         """Rows [row, row + len(piece)) of the weight: float32 values, or codes of this format's kind."""
-        coded = isinstance(piece, (GroupCodes, SuperblockCodes))
+        coded = not isinstance(piece, torch.Tensor)
         if self.fmt is not Int8ChannelWeight and not coded:
             piece = _RULES[self.fmt](piece)
             coded = True
@@ -113,7 +121,7 @@ class StagedLinear:
             weight, _ = Int8ChannelWeight.quantize(self.values)
         else:
             weight = self.fmt.from_codes(self.codes)
-            if not self.int8_inputs and self.fmt is not Int4SuperblockWeight:  # that one is W4A16 alone
+            if not self.int8_inputs and self.fmt in (Int4Weight, Int8Weight):  # the others are W4A16 alone
                 weight = dataclasses.replace(weight, int8_inputs=False)
         for holder in self.holders:
             holder.weight_format = weight
@@ -121,22 +129,33 @@ class StagedLinear:
 
 
 def stage_linears(model: nn.Module, quantization: str, file_code_bits: Mapping[nn.Module, int | None],
-                  superblocks: Collection[nn.Module] = ()) -> dict[nn.Module, StagedLinear]:
+                  superblock_bits: Mapping[nn.Module, int] | None = None) -> dict[nn.Module, StagedLinear]:
     """A StagedLinear for every Linear and tied LM head of the model (built on meta, its `stored_bits` set
     from the checkpoint's headers), by the module whose `weight` it fills; file_code_bits: by that module,
-    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits); superblocks: the
-    modules the file stores all in Q4_K (file_superblocks). An untied embedding whose file codes convert is
-    held in them too (its rows looked up there: layers/embedding.py), not in a float copy of vocab x hidden;
-    any other keeps its float matrix."""
+    the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits); superblock_bits:
+    by module, the bits of the K-quant the file stores it all in (file_superblock_bits). An untied embedding
+    whose file codes convert is held in them too (its rows looked up there: layers/embedding.py), not in a
+    float copy of vocab x hidden; any other keeps its float matrix."""
+    superblock_bits = superblock_bits or {}
     heads = [m for m in model.modules() if isinstance(m, (Linear, TiedLMHead))]
     tied = {id(m.embedding) for m in heads if isinstance(m, TiedLMHead)}
     staged = {}
     for module in heads:
         owner = module.embedding if isinstance(module, TiedLMHead) else module
-        staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner), owner in superblocks)
+        staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner), superblock_bits.get(owner))
     for module in model.modules():
-        if isinstance(module, Embedding) and id(module) not in tied and file_code_bits.get(module) is not None:
-            staged[module] = StagedLinear.start(module, quantization, file_code_bits[module])
+        held = _held_in_file_codes(module, quantization, file_code_bits, superblock_bits)
+        if isinstance(module, Embedding) and id(module) not in tied and held:
+            staged[module] = StagedLinear.start(module, quantization, file_code_bits.get(module),
+                                                superblock_bits.get(module))
     log_kept_at_int8(quantization, [s.fmt for s in staged.values()
                                     if isinstance(s.holders[0], Linear) and not s.holders[0].is_lm_head])
     return staged
+
+
+def _held_in_file_codes(embedding: Embedding, quantization: str, file_code_bits: Mapping[nn.Module, int | None],
+                        superblock_bits: Mapping[nn.Module, int]) -> bool:
+    """Whether an untied embedding's format takes the file's codes as they are (quantized_format): Q4_0 / Q4_1
+    / Q8_0 in every mode, Q6_K in w4a16."""
+    in_w4a16 = quantization == "w4a16" and superblock_bits.get(embedding) == 6
+    return file_code_bits.get(embedding) in (4, 8) or in_w4a16

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from tinyserve.layers.linear import Linear, MergedLinear
-from tinyserve.layers.quant import GroupCodes, SuperblockCodes
+from tinyserve.layers.quant import GroupCodes
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
-from tinyserve.loader.staged_linears import StagedLinear
+from tinyserve.loader.staged_linears import FileCodes, StagedLinear
 from tinyserve.parallel.shard import CheckpointSlice
 from tinyserve.types import Job
 
@@ -51,10 +51,11 @@ class TensorSource:
     (dequantizing, reordering), the CPU work, which stays on the step thread with the model's other pieces.
     Without them, `read` and `read_rows` run whole on the I/O thread.
     `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
-    (a GGUF's Q4_0, Q4_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes of those
-    bits. `decode_superblocks`, where the file's codes are Q4_K's super-blocks: decode_superblocks(fetched, rows)
-    -> their SuperblockCodes (Int4SuperblockWeight's, w4a16 mode). `release`: drops the file's pages of the
-    tensor from the process once it is read (GGUFFile.release)."""
+    (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes
+    of those bits. `decode_superblocks`, where the file's codes are a K-quant's super-blocks:
+    decode_superblocks(fetched, rows) -> their codes (Q4_K's SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's
+    Int6SuperblockCodes: w4a16's formats). `release`: drops the file's pages of the tensor from the process once
+    it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
@@ -65,7 +66,7 @@ class TensorSource:
     code_bits: int | None = None
     decode_codes: Callable[[Any, Rows], GroupCodes] | None = None
     release: Callable[[], None] | None = None
-    decode_superblocks: Callable[[Any, Rows], SuperblockCodes] | None = None
+    decode_superblocks: Callable[[Any, Rows], FileCodes] | None = None
 
     def __call__(self) -> torch.Tensor:
         return self.read()
@@ -177,11 +178,12 @@ def file_code_bits(matches: list[Match]) -> dict[nn.Module, int | None]:
     return _by_owner(matches, lambda source: source.code_bits)
 
 
-def file_superblocks(matches: list[Match]) -> set[nn.Module]:
-    """The modules whose `weight` the file stores all in Q4_K super-blocks (TensorSource.decode_superblocks),
-    each tensor read whole for this rank."""
-    held = _by_owner(matches, lambda source: source.decode_superblocks is not None or None)
-    return {owner for owner, superblocks in held.items() if superblocks}
+def file_superblock_bits(matches: list[Match]) -> dict[nn.Module, int]:
+    """The modules whose `weight` the file stores all in super-blocks of one K-quant type that converts to a
+    format's codes (TensorSource.decode_superblocks), each tensor read whole for this rank -> its bits (Q4_K: 4,
+    Q5_K: 5, Q6_K: 6)."""
+    held = _by_owner(matches, lambda source: source.stored_bits if source.decode_superblocks is not None else None)
+    return {owner: bits for owner, bits in held.items() if bits is not None}
 
 
 def _by_owner(matches: list[Match], key: Callable[[TensorSource], Any]) -> dict[nn.Module, Any]:
@@ -277,7 +279,7 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _check_piece(hf_name: str, piece: torch.Tensor | GroupCodes | SuperblockCodes, target: torch.Tensor) -> None:
+def _check_piece(hf_name: str, piece: torch.Tensor | FileCodes, target: torch.Tensor) -> None:
     """A tensor (or codes) read against the part of the model it fills: the data, whatever the header said."""
     shape = tuple(piece.shape)
     if shape != tuple(target.shape):

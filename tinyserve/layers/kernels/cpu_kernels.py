@@ -6,8 +6,8 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
 - the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
   rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops;
 - matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp,
-  csrc/int8_channel_matmul.cpp), and int4, int8 and GGUF Q4_K with unrounded activations
-  (csrc/quantized_matmul_a16.cpp):
+  csrc/int8_channel_matmul.cpp), and int4, int8 and GGUF Q4_K, Q5_0, Q5_1, Q5_K and Q6_K with unrounded
+  activations (csrc/quantized_matmul_a16.cpp, its formats in csrc/a16_formats.h):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix;
 - greedy decoding's argmax over the logits (csrc/row_argmax.cpp): torch's CPU argmax compares index by index;
@@ -193,6 +193,30 @@ def w4a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tenso
     Int4SuperblockWeight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
     return _named("tinyserve::w4a16_superblock_matmul", load().w4a16_superblock_matmul, x, codes, d, dmin,
                   sub_scales, sub_mins, out_features)
+
+
+def w5a16_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, scales: torch.Tensor,
+                 minimums: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q5_0 / Q5_1 weight in layers/quant.py's
+    Int5Weight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w5a16_matmul", load().w5a16_matmul, x, codes, high_bits, scales, minimums, out_features)
+
+
+def w5a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, d: torch.Tensor,
+                            dmin: torch.Tensor, sub_scales: torch.Tensor, sub_mins: torch.Tensor,
+                            out_features: int) -> torch.Tensor:
+    """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q5_K weight in layers/quant.py's
+    Int5SuperblockWeight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w5a16_superblock_matmul", load().w5a16_superblock_matmul, x, codes, high_bits, d, dmin,
+                  sub_scales, sub_mins, out_features)
+
+
+def w6a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, d: torch.Tensor,
+                            sub_scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q6_K weight in layers/quant.py's
+    Int6SuperblockWeight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
+    return _named("tinyserve::w6a16_superblock_matmul", load().w6a16_superblock_matmul, x, codes, high_bits, d,
+                  sub_scales, out_features)
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -19,11 +19,11 @@ import torch
 
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.layers.quant import GroupCodes, SuperblockCodes
-from tinyserve.loader.gguf.blocks import CODE_BITS, group_codes, superblock_codes
+from tinyserve.layers.quant import GroupCodes
+from tinyserve.loader.gguf.blocks import CODE_BITS, SUPERBLOCK_CODES, group_codes
 from tinyserve.loader.gguf.file_format import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
-from tinyserve.loader.weights import NamedTensor, TensorSource
+from tinyserve.loader.weights import FileCodes, NamedTensor, TensorSource
 
 logger = logging.getLogger(__name__)
 
@@ -274,9 +274,9 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[NamedTensor]
 
         code_bits = CODE_BITS.get(tensor.tensor_type)
         decode_codes = None if code_bits is None else partial(_decode_codes, tensor, num_heads)
-        superblocks = None
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K and len(tensor.shape) == 2:
-            superblocks = partial(_decode_codes, tensor, num_heads, convert=superblock_codes)
+        superblocks, convert = None, SUPERBLOCK_CODES.get(tensor.tensor_type)
+        if convert is not None and len(tensor.shape) == 2:
+            superblocks = partial(_decode_codes, tensor, num_heads, convert=convert)
         # the norms and the permuted Q/K are read whole: only other matrices are read by blocks of rows
         rows = read_rows if num_heads is None and not shift else None
         yield hf_name, TensorSource(tensor.shape, produce, rows, _STORED_BITS.get(tensor.tensor_type), fetch, decode,
@@ -306,9 +306,9 @@ def _check_types(reader: GGUFFile) -> None:
 
 
 def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray, rows: tuple[int, int] | None,
-                  convert=None) -> GroupCodes | SuperblockCodes:
+                  convert=None) -> FileCodes:
     """The group codes of the tensor's rows in `data` (_fetch's bytes), Q/K rows unpermuted as _dequantize's;
-    convert: bytes -> codes of another kind (blocks.superblock_codes: Q4_K's)."""
+    convert: bytes -> codes of another kind (blocks.SUPERBLOCK_CODES: a K-quant's)."""
     if num_heads is not None:
         data = _unpermute_rope_rows(data, num_heads)
     return group_codes(tensor.name, tensor.tensor_type, data) if convert is None else convert(data)

@@ -28,6 +28,15 @@ torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, c
 torch::Tensor w4a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                                       const torch::Tensor& dmin, const torch::Tensor& sub_scales,
                                       const torch::Tensor& sub_mins, int64_t out_features);
+torch::Tensor w5a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& high_bits,
+                           const torch::Tensor& scales, const torch::Tensor& minimums, int64_t out_features);
+torch::Tensor w5a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                                      const torch::Tensor& high_bits, const torch::Tensor& d,
+                                      const torch::Tensor& dmin, const torch::Tensor& sub_scales,
+                                      const torch::Tensor& sub_mins, int64_t out_features);
+torch::Tensor w6a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                                      const torch::Tensor& high_bits, const torch::Tensor& d,
+                                      const torch::Tensor& sub_scales, int64_t out_features);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_pool, torch::Tensor& value_pool,
               const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& key_scale,
@@ -53,6 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a16_matmul", &w8a16_matmul, "x times an int8 weight, x as it is (float32 sums of widened weights)");
   m.def("w4a16_superblock_matmul", &w4a16_superblock_matmul,
         "x times a GGUF Q4_K weight (super-blocks of 256: d, dmin, 6-bit scales and mins), x as it is");
+  m.def("w5a16_matmul", &w5a16_matmul,
+        "x times a GGUF Q5_0 / Q5_1 weight (5-bit codes, groups of 32: scale and minimum), x as it is");
+  m.def("w5a16_superblock_matmul", &w5a16_superblock_matmul,
+        "x times a GGUF Q5_K weight (5-bit codes, Q4_K's super-block scales), x as it is");
+  m.def("w6a16_superblock_matmul", &w6a16_superblock_matmul,
+        "x times a GGUF Q6_K weight (6-bit codes, d per 256 inputs, int8 scales per 16), x as it is");
   m.def("row_argmax", &row_argmax, "each row's first index of its largest value (NaN the largest), as torch.argmax");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }

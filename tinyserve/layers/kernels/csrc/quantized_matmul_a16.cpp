@@ -1,16 +1,16 @@
-// The int4 (GGUF Q4_1), int8 (Q8_0) and int4 super-block (Q4_K) weights times unrounded activations (W4A16,
-// W8A16), bfloat16 or float32, the output in the activations' dtype:
-// out[t, n] = sum_k x[t, k] w[n, k], with per group of 32 inputs w = code * scale + minimum (int4) or
-// w = code * scale (int8), in Int4Weight's and Int8Weight's layouts (quantized_matmul.cpp describes them), or
-// w = code * d * sc - dmin * m (Int4SuperblockWeight: Int4Weight's codes, d and dmin per 256 inputs, 6-bit sc
-// and m per 32). The formats differ only in how a group's scale and offset are read (Int4Groups, Int8Groups,
-// SuperblockGroups); the widening and the sums are one code path.
+// The int4 (GGUF Q4_1), int8 (Q8_0), int4 super-block (Q4_K) and wide-code (Q5_0, Q5_1, Q5_K, Q6_K) weights
+// times unrounded activations (W4A16, W8A16), bfloat16 or float32, the output in the activations' dtype:
+// out[t, n] = sum_k x[t, k] w[n, k], with w = code * scale + offset per group of 32 inputs (Q6_K: per 16), in
+// the layouts of layers/quant.py's Int4Weight, Int8Weight (quantized_matmul.cpp describes them),
+// Int4SuperblockWeight, Int5Weight, Int5SuperblockWeight and Int6SuperblockWeight (a16_formats.h describes the
+// wide codes' high plane). The formats differ only in how a group's scale, offset and high bits are read (the
+// Groups structs of a16_formats.h); the widening and the sums are one code path.
 //
 // Why: quantized_matmul.cpp rounds each group of 32 activations to int8 before its integer dot, as
 // llama.cpp does; that rounding moves a small model's logits enough to change its greedy answers
 // (docs/PERFORMANCE.md, "W4A16"). Here the activations stay as they are: each weight is widened in
-// registers to float32 (code * scale + minimum: one rounding; code * scale: exact) and multiplied into a
-// float32 sum per row and token.
+// registers to float32 (code * scale + offset: at most one rounding, each Groups struct says where) and
+// multiplied into a float32 sum per row and token.
 //
 // The numerics do not depend on the step's shape: each (token, row) sum runs over the inputs in the same
 // order whatever the number of tokens in the step or their tiling (the tokens of a pass share the widened
@@ -35,132 +35,57 @@ using tinyserve::kRows;
 
 constexpr int kGroup = 32;
 
-template <int Bits>
-constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }  // int4: 4 chunks of 64 bytes; int8: 8
+#include "a16_formats.h"
 
-// A block's 16 rows, one per vector lane, in GCC's vector extensions rather than one instruction set's
-// intrinsics: one AVX-512 register of 16 floats, or (kParts = 2) two AVX2 registers of 8. The two halves are
-// written out as such: GCC lowers a 64-byte vector on AVX2 through memory (the accumulators lived on the stack
-// and prefill ran at 14 GFLOP/s). Every lane does the same operations in the same order on each machine (a
-// lane's sum never mixes with another's), so the kernel's numerics are the same on every x86 CPU with FMA,
-// and this file's tests exercise the path a machine runs.
 #ifdef __AVX512F__
-constexpr int kParts = 1;
 constexpr int kTile = 8;  // tokens per pass: 8 accumulators of 32 registers
 #else
-constexpr int kParts = 2;
 constexpr int kTile = 4;  // 8 accumulators of AVX2's 16 registers
 #endif
-constexpr int kWidth = kRows / kParts;
-typedef float lanes __attribute__((vector_size(kWidth * 4)));
-typedef uint32_t ulanes __attribute__((vector_size(kWidth * 4)));
+
+template <int Bits>
+constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }  // int4: 4 chunks of 64 bytes; int8: 8
 
 // The widened weights of up to kChunkGroups groups of one block (16 KiB: they stay in L1) are computed once
 // and then multiplied with every token of the step, kTile tokens at a time: the widening is paid once per
 // step, not once per pass.
 constexpr int kChunkGroups = 8;
 
-// float16 scales and minimums to float32 (exact either way): one vcvtph2ps where the CPU has it (c10::Half's
-// conversion is a dozen scalar instructions a value, which made a one-token step a third slower).
-inline lanes load_halves(const at::Half* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<lanes>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)
-  return reinterpret_cast<lanes>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  lanes v;
-  for (int l = 0; l < kWidth; ++l) v[l] = static_cast<float>(p[l]);
-  return v;
-#endif
-}
-
-// kWidth unsigned bytes to float32 (exact): a zero-extension and a conversion where the CPU has them (GCC 12
-// turns __builtin_convertvector from bytes into one scalar conversion a lane, which made Q4_K's one-token
-// step 15-20% slower than Int4Weight's).
-inline lanes load_bytes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<lanes>(
-      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<lanes>(
-      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  lanes v;
-  for (int l = 0; l < kWidth; ++l) v[l] = static_cast<float>(p[l]);
-  return v;
-#endif
-}
-
-// What a format reads to widen its codes: per group g of a block and part p of its rows, the scale and offset
-// of w = code * scale + offset, and kBits, the bits of a code. at(b, groups): the same for block b of a
-// weight with `groups` groups per row.
-struct Int4Groups {  // Int4Weight (Q4_1's rule): float16 scale and minimum per group and row
-  static constexpr int kBits = 4;
-  const at::Half* scales;
-  const at::Half* minimums;
-  Int4Groups at(int64_t b, int64_t groups) const {
-    return {scales + b * groups * kRows, minimums + b * groups * kRows};
-  }
-  void get(int64_t g, int p, lanes& scale, lanes& offset) const {
-    scale = load_halves(scales + g * kRows + p * kWidth);
-    offset = load_halves(minimums + g * kRows + p * kWidth);
-  }
-};
-
-struct Int8Groups {  // Int8Weight (Q8_0's rule): float16 scale per group; the codes are stored plus 128
-  static constexpr int kBits = 8;
-  const at::Half* scales;
-  Int8Groups at(int64_t b, int64_t groups) const { return {scales + b * groups * kRows}; }
-  void get(int64_t g, int p, lanes& scale, lanes& offset) const {
-    scale = load_halves(scales + g * kRows + p * kWidth);
-    offset = scale * -128.f;  // w = (code - 128) * scale, exact
-  }
-};
-
-// Int4SuperblockWeight (GGUF Q4_K): per super-block of 8 groups (256 inputs) and row, float16 d and dmin; per
-// group and row, 6-bit sc and m: scale = d * sc and offset = -(dmin * m), both exact in float32 (an 11-bit
-// float16 significand times a 6-bit integer), and code * scale is exact too (4 more bits), so
-// w = code * scale + offset rounds once: ggml's float32 value d * sc * q - dmin * m, bit for bit.
-constexpr int kSuperGroups = 8;
-struct SuperblockGroups {
-  static constexpr int kBits = 4;
-  const at::Half* d;
-  const at::Half* dmin;
-  const uint8_t* sc;
-  const uint8_t* m;
-  SuperblockGroups at(int64_t b, int64_t groups) const {
-    const int64_t supers = groups / kSuperGroups;
-    return {d + b * supers * kRows, dmin + b * supers * kRows, sc + b * groups * kRows, m + b * groups * kRows};
-  }
-  void get(int64_t g, int p, lanes& scale, lanes& offset) const {
-    const int64_t s = g / kSuperGroups;
-    scale = load_halves(d + s * kRows + p * kWidth) * load_bytes(sc + g * kRows + p * kWidth);
-    offset = -(load_halves(dmin + s * kRows + p * kWidth) * load_bytes(m + g * kRows + p * kWidth));
-  }
-};
-
 // Groups g0 .. g0 + count - 1 of a block, widened: w[j * kParts + p] = part p of the rows' weights of input
 // g0 * 32 + j.
 template <class Groups>
 void widen(const uint8_t* codes, const Groups& groups, int64_t g0, int64_t count, lanes* w) {
-  constexpr int Bits = Groups::kBits;
+  constexpr int Bits = Groups::kBits, HighBits = Groups::kHighBits;
   constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
   constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
+  constexpr int kChunksPerScale = kChunks / Groups::kScales;
   for (int64_t g = g0; g < g0 + count; ++g) {
     const uint8_t* group = codes + g * group_bytes<Bits>();
-    for (int p = 0; p < kParts; ++p) {
-      lanes scale, offset;
-      groups.get(g, p, scale, offset);
-      for (int c = 0; c < kChunks; ++c) {
-        ulanes bytes;  // lane l: row (p * kWidth + l)'s 4 bytes of chunk c
-        __builtin_memcpy(&bytes, group + c * 64 + p * kWidth * 4, sizeof(bytes));
-        for (int i = 0; i < kPerChunk; ++i) {  // int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: 4c + i
-          const int shift = Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i;
-          w[((g - g0) * kGroup + kPerChunk * c + i) * kParts + p] =
-              __builtin_convertvector((bytes >> shift) & kMask, lanes) * scale + offset;
+    for (int p = 0; p < kParts; ++p)
+      for (int h = 0; h < Groups::kScales; ++h) {
+        lanes scale, offset;
+        groups.get(g, h, p, scale, offset);
+        for (int c = h * kChunksPerScale; c < (h + 1) * kChunksPerScale; ++c) {
+          ulanes bytes;  // lane l: row (p * kWidth + l)'s 4 bytes of chunk c
+          __builtin_memcpy(&bytes, group + c * 64 + p * kWidth * 4, sizeof(bytes));
+          ulanes low = bytes, high = bytes;  // wide codes: byte k of each holds input 8c + k's (8c + 4 + k's) code
+          if constexpr (HighBits > 0) {
+            using Plane = HighPlane<HighBits>;
+            const ulanes plane = groups.high(g, c / Plane::kSpanChunks, p);
+            low = Plane::codes(bytes, plane, c % Plane::kSpanChunks, 0);
+            high = Plane::codes(bytes >> 4, plane, c % Plane::kSpanChunks, 1);
+          }
+          for (int i = 0; i < kPerChunk; ++i) {  // int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: 4c + i
+            ulanes code;
+            if constexpr (HighBits > 0)
+              code = ((i < 4 ? low : high) >> (8 * (i % 4))) & 0xff;
+            else
+              code = (bytes >> (Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i)) & kMask;
+            w[((g - g0) * kGroup + kPerChunk * c + i) * kParts + p] =
+                __builtin_convertvector(code, lanes) * scale + offset;
+          }
         }
       }
-    }
   }
 }
 
@@ -246,16 +171,43 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
   return out;
 }
 
+// The readers of a weight's parts, each checked against x's shape.
+Int4Groups int4_groups(const char* name, const Shape& shape, const torch::Tensor& scales,
+                       const torch::Tensor& minimums) {
+  check_part(name, "scales", scales, at::kHalf, shape.blocks, shape.groups * kRows);
+  check_part(name, "minimums", minimums, at::kHalf, shape.blocks, shape.groups * kRows);
+  return {scales.data_ptr<at::Half>(), minimums.data_ptr<at::Half>()};
+}
+
+void check_superblocks(const char* name, const Shape& shape) {
+  TORCH_CHECK(shape.groups % kSuperGroups == 0, name, ": in must be a multiple of ", kSuperGroups * kGroup);
+}
+
+SuperblockGroups superblock_groups(const char* name, const Shape& shape, const torch::Tensor& d,
+                                   const torch::Tensor& dmin, const torch::Tensor& sub_scales,
+                                   const torch::Tensor& sub_mins) {
+  check_superblocks(name, shape);
+  check_part(name, "d", d, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
+  check_part(name, "dmin", dmin, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
+  check_part(name, "sub_scales", sub_scales, at::kByte, shape.blocks, shape.groups * kRows);
+  check_part(name, "sub_mins", sub_mins, at::kByte, shape.blocks, shape.groups * kRows);
+  return {d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sub_scales.data_ptr<uint8_t>(),
+          sub_mins.data_ptr<uint8_t>()};
+}
+
+template <int HighBits>
+HighPlane<HighBits> high_plane(const char* name, const Shape& shape, const torch::Tensor& high_bits) {
+  check_part(name, "high_bits", high_bits, at::kByte, shape.blocks, shape.groups * HighPlane<HighBits>::kGroupBytes);
+  return {high_bits.data_ptr<uint8_t>()};
+}
+
 }  // namespace
 
 torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const torch::Tensor& minimums, int64_t out_features) {
   const char* name = "w4a16_matmul";
   const Shape shape = check_x(name, x, out_features);
-  check_part(name, "scales", scales, at::kHalf, shape.blocks, shape.groups * kRows);
-  check_part(name, "minimums", minimums, at::kHalf, shape.blocks, shape.groups * kRows);
-  return matmul(name, x, codes, Int4Groups{scales.data_ptr<at::Half>(), minimums.data_ptr<at::Half>()},
-                out_features);
+  return matmul(name, x, codes, int4_groups(name, shape, scales, minimums), out_features);
 }
 
 torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -271,13 +223,40 @@ torch::Tensor w4a16_superblock_matmul(const torch::Tensor& x, const torch::Tenso
                                       const torch::Tensor& sub_mins, int64_t out_features) {
   const char* name = "w4a16_superblock_matmul";
   const Shape shape = check_x(name, x, out_features);
-  TORCH_CHECK(shape.groups % kSuperGroups == 0, name, ": in must be a multiple of ", kSuperGroups * kGroup);
-  check_part(name, "d", d, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
-  check_part(name, "dmin", dmin, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
-  check_part(name, "sub_scales", sub_scales, at::kByte, shape.blocks, shape.groups * kRows);
-  check_part(name, "sub_mins", sub_mins, at::kByte, shape.blocks, shape.groups * kRows);
+  return matmul(name, x, codes, superblock_groups(name, shape, d, dmin, sub_scales, sub_mins), out_features);
+}
+
+torch::Tensor w5a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& high_bits,
+                           const torch::Tensor& scales, const torch::Tensor& minimums, int64_t out_features) {
+  const char* name = "w5a16_matmul";
+  const Shape shape = check_x(name, x, out_features);
   return matmul(name, x, codes,
-                SuperblockGroups{d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sub_scales.data_ptr<uint8_t>(),
-                                 sub_mins.data_ptr<uint8_t>()},
+                Int5Groups{int4_groups(name, shape, scales, minimums), high_plane<1>(name, shape, high_bits)},
+                out_features);
+}
+
+torch::Tensor w5a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                                      const torch::Tensor& high_bits, const torch::Tensor& d,
+                                      const torch::Tensor& dmin, const torch::Tensor& sub_scales,
+                                      const torch::Tensor& sub_mins, int64_t out_features) {
+  const char* name = "w5a16_superblock_matmul";
+  const Shape shape = check_x(name, x, out_features);
+  return matmul(name, x, codes,
+                Int5SuperblockGroups{superblock_groups(name, shape, d, dmin, sub_scales, sub_mins),
+                                     high_plane<1>(name, shape, high_bits)},
+                out_features);
+}
+
+torch::Tensor w6a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                                      const torch::Tensor& high_bits, const torch::Tensor& d,
+                                      const torch::Tensor& sub_scales, int64_t out_features) {
+  const char* name = "w6a16_superblock_matmul";
+  const Shape shape = check_x(name, x, out_features);
+  check_superblocks(name, shape);
+  check_part(name, "d", d, at::kHalf, shape.blocks, shape.groups / kSuperGroups * kRows);
+  check_part(name, "sub_scales", sub_scales, at::kChar, shape.blocks, shape.groups * 2 * kRows);
+  return matmul(name, x, codes,
+                Int6SuperblockGroups{d.data_ptr<at::Half>(), sub_scales.data_ptr<int8_t>(),
+                                     high_plane<2>(name, shape, high_bits)},
                 out_features);
 }
