@@ -35,9 +35,9 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
 class RotaryEmbedding(DirectCall, nn.Module):
     """The rotation for a step's positions, computed once per step and applied in every layer. The cos/sin
     table is a plain attribute, not a buffer, so that a model built on the meta device and materialized with
-    to_empty() keeps it; it follows positions to their device. It is built at the first step, for the
-    positions the engine serves (limit_positions) or else all of the model's: a 128K-context file's full
-    table is 64-128 MiB that an engine serving 8K tokens would hold for nothing."""
+    to_empty() keeps it; it follows positions to their device. An engine has it built for the positions it
+    serves (cover_positions: its max_model_len), a model used alone at its first step for all of the model's:
+    a 128K-context file's full table is 64-128 MiB that an engine serving 8K tokens would hold for nothing."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None):
         super().__init__()
@@ -45,19 +45,18 @@ class RotaryEmbedding(DirectCall, nn.Module):
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
-    def limit_positions(self, max_position: int, device: torch.device) -> None:
-        """Serve positions below max_position only (an engine's max_model_len): the table is built (or cut) to
-        them now, on `device`, so that nothing is built inside a captured CUDA graph's first step."""
-        self.max_position = min(self.max_position, max_position)
-        if self.cos is None:
-            self._build(device)
-        else:
-            self.cos, self.sin = self.cos[:self.max_position].clone(), self.sin[:self.max_position].clone()
+    def cover_positions(self, count: int, device: torch.device) -> None:
+        """Have the table hold positions 0 .. count - 1 (at most the model's), built now on `device`, so that
+        nothing is built inside a captured CUDA graph's first step. A table never shrinks: engines that share
+        a model (tests, replicas of one load) each keep the positions they serve."""
+        count = min(count, self.max_position)
+        if self.cos is None or self.cos.shape[0] < count:
+            self._build(count, device)
 
-    def _build(self, device: torch.device) -> None:
+    def _build(self, count: int, device: torch.device) -> None:
         with torch.device("cpu"):  # on the host even inside a `torch.device("meta")` block, then moved once
             inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
-            freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)  # [pos, head_dim/2]
+            freqs = torch.outer(torch.arange(count, dtype=torch.float32), inv_freq)  # [count, head_dim / 2]
         # Full width, with rotate-half's sign folded into sin: x * cos + roll(x, half) * sin is
         # (x1 cos - x2 sin, x2 cos + x1 sin) in 4 ops instead of 8, bit for bit the same.
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)
@@ -66,14 +65,14 @@ class RotaryEmbedding(DirectCall, nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in dtype, for ops.rotary."""
         if self.cos is None:
-            self._build(positions.device)
+            self._build(self.max_position, positions.device)
         elif self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def limit_positions(model: nn.Module, max_position: int, device: torch.device) -> None:
-    """Every RotaryEmbedding of `model` serves positions below max_position only, its table on `device`."""
+def cover_positions(model: nn.Module, count: int, device: torch.device) -> None:
+    """Every RotaryEmbedding of `model` holds the table of positions 0 .. count - 1 (RotaryEmbedding's)."""
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            module.limit_positions(max_position, device)
+            module.cover_positions(count, device)

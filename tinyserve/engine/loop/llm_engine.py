@@ -30,7 +30,7 @@ from tinyserve.engine.execution import rank_setup
 from tinyserve.engine.scheduling.block_manager import BlockManager
 from tinyserve.engine.execution.cuda_graphs import decode_graphs_apply
 from tinyserve.engine.loop.generation_defaults import resolve_sampling_defaults
-from tinyserve.layers.rotary import limit_positions
+from tinyserve.layers.rotary import cover_positions
 from tinyserve.engine.memory.malloc_tuning import keep_freed_host_memory
 from tinyserve.engine.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer, load_draft_model_in_pieces
 from tinyserve.engine.memory.sizing import (held_weight_bytes, kv_bytes_per_token, kv_pool_dtype, resolve_cache_config,
@@ -130,7 +130,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         for model in (loaded.model, draft.model if draft else None):
             if model is not None:
-                limit_positions(model, max_model_len, device)  # the rotary tables, for the positions served
+                cover_positions(model, max_model_len, device)  # the rotary tables, for the positions served
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             hash_seed=f"{loaded.source}:{dtype}:{loaded.quantization}:{kv_dtype}",  # cached KV is per weights
