@@ -271,3 +271,17 @@ def assert_w4a16_logits_match(path, formats: dict, taken: dict) -> None:
     """The file's w4a16 load (float32) against the reference on its formats' values (within 1e-5)."""
     model = _build(path, dtype=torch.float32, quantization="w4a16")
     assert_logits_match_the_formats_values(model, path, formats, taken, 1e-5)
+
+
+@needs_int_kernels
+def test_an_untied_q4_k_embedding_is_held_in_its_codes_and_looks_up_the_file_s_values(mixed_path):
+    """w4a16: the embedding stays at the file's size (a 128K-row float32 table was 2 GiB of the 8B's), and a
+    lookup gives the file's values exactly."""
+    model = _build(mixed_path, dtype=torch.float32, quantization="w4a16")
+    embedding = model.model.embed_tokens
+    assert type(embedding.weight_format) is Int4SuperblockWeight
+    tensor = next(t for t in open_gguf(mixed_path).tensors if t.name == "token_embd.weight")
+    assert embedding.weight_format.nbytes == tensor.data.nbytes * 148 // 144
+    ids = torch.tensor([0, 5, 17, 255, 5])
+    expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, Q.Q4_K).reshape(tensor.shape))[ids]
+    assert torch.equal(embedding(ids), expected)

@@ -17,7 +17,7 @@ from torch import nn
 
 from tinyserve.layers import ops
 from tinyserve.layers.direct_call import DirectCall
-from tinyserve.layers.quant import Int4Weight, Int6SuperblockWeight, Int8Weight
+from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int6SuperblockWeight, Int8Weight
 from tinyserve.layers.weight_format import DenseWeight
 from tinyserve.parallel.group import SINGLE, TensorParallelGroup
 from tinyserve.parallel.shard import CheckpointSlice, column_slice
@@ -42,7 +42,8 @@ class Embedding(DirectCall, nn.Embedding):
         pass  # filled by the loader (see the module docstring)
 
     def use_dense_weight(self) -> None:
-        self.weight_format: DenseWeight | Int8Weight | Int4Weight | Int6SuperblockWeight = DenseWeight(self.weight)
+        self.weight_format: DenseWeight | Int8Weight | Int4Weight | Int4SuperblockWeight | Int6SuperblockWeight = \
+            DenseWeight(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_slice is None:

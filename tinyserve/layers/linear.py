@@ -243,9 +243,12 @@ def quantized_format(module: Linear | TiedLMHead | Embedding, quantization: str,
     it, and is int8 otherwise.
     superblock_bits: the file stores the whole matrix in one K-quant type of these bits (Q4_K, Q5_K, Q6_K), which
     w4a16 computes from its own codes (SUPERBLOCK_FORMATS; a head too where it is Q6_K: the file's values in
-    fewer bytes than int8's); the other modes requantize it by rows."""
+    fewer bytes than int8's; an untied embedding where it is Q4_K or Q6_K: a 128K-row table stays at the file's
+    size, not float32's); the other modes requantize it by rows."""
     if quantization == "w4a16" and superblock_bits == 6:
         return Int6SuperblockWeight
+    if quantization == "w4a16" and superblock_bits == 4 and isinstance(module, Embedding):  # untied: its rows
+        return Int4SuperblockWeight
     if isinstance(module, Embedding) or module.is_lm_head:
         return Int4Weight if file_code_bits == 4 and quantization != "int8" else Int8Weight
     if quantization == "w4a16" and superblock_bits in SUPERBLOCK_FORMATS:

@@ -181,12 +181,16 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight | Int6SuperblockWeight) -> torch.Tensor:
-    """Rows `ids` of the matrix: [n] -> [n, dim]; from codes (int8, int4, Q6_K's) as float32 (the caller casts)."""
+def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight | Int4SuperblockWeight
+              | Int6SuperblockWeight) -> torch.Tensor:
+    """Rows `ids` of the matrix: [n] -> [n, dim]; from codes (int8, int4, Q4_K's, Q6_K's) as float32 (the caller
+    casts)."""
     match weight:
         case DenseWeight():
             return F.embedding(ids, weight.weight)
         case Int8Weight() | Int4Weight() | Int6SuperblockWeight():
+            return weight.rows(ids)
+        case Int4SuperblockWeight() if type(weight) is Int4SuperblockWeight:  # not its Q5_K subclass
             return weight.rows(ids)
         case _:
             raise TypeError(f"no embedding lookup for a {type(weight).__name__}")

@@ -366,6 +366,21 @@ class Int4SuperblockWeight:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.d, self.dmin, self.sub_scales, self.sub_mins))
 
+    def row_codes(self, ids: torch.Tensor) -> SuperblockCodes:
+        """The codes of rows ids [n], out of the kernel layout ([block, group and chunk, row, bytes])."""
+        blocks, n = self.codes.shape[0], len(ids)
+        block, row = ids // KERNEL_ROWS, ids % KERNEL_ROWS
+        per_row = [t.view(blocks, -1, KERNEL_ROWS)[block, :, row] for t in (self.d, self.dmin, self.sub_scales,
+                                                                             self.sub_mins)]
+        return SuperblockCodes(self.codes.view(blocks, -1, KERNEL_ROWS, 4)[block, :, row].reshape(n, -1), *per_row)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ids [n] as float32 [n, in] (an untied Q4_K embedding's lookup): the file's values,
+        exactly. Q4_K's alone: Int5SuperblockWeight's high plane is not read here (it holds no embedding)."""
+        if type(self) is not Int4SuperblockWeight:
+            raise TypeError(f"no row lookup for a {type(self).__name__}")
+        return self.row_codes(ids).dequantized()
+
 
 @dataclass(frozen=True)
 class Int6SuperblockCodes:

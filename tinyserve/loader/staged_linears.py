@@ -156,6 +156,6 @@ def stage_linears(model: nn.Module, quantization: str, file_code_bits: Mapping[n
 def _held_in_file_codes(embedding: Embedding, quantization: str, file_code_bits: Mapping[nn.Module, int | None],
                         superblock_bits: Mapping[nn.Module, int]) -> bool:
     """Whether an untied embedding's format takes the file's codes as they are (quantized_format): Q4_0 / Q4_1
-    / Q8_0 in every mode, Q6_K in w4a16."""
-    in_w4a16 = quantization == "w4a16" and superblock_bits.get(embedding) == 6
+    / Q8_0 in every mode, Q4_K and Q6_K in w4a16."""
+    in_w4a16 = quantization == "w4a16" and superblock_bits.get(embedding) in (4, 6)
     return file_code_bits.get(embedding) in (4, 8) or in_w4a16
