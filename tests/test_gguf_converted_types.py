@@ -29,7 +29,8 @@ MIX = {f"blk.{layer}.{part}.weight": (Q.Q3_K, Q.IQ4_NL)[layer] for layer in (0, 
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """The converted types as random blocks (codes and scales; float16 scales of 1e-4 to 3e-4: weights within ~0.05); the rest gguf-py's."""
+    """The converted types as random blocks (codes and scales; float16 scales of 1e-4 to 3e-4: weights within
+    ~0.05); the rest gguf-py's."""
     if qtype not in SCALE_FIELDS:
         return gguf.quants.quantize(w, qtype)
     rows, cols = w.shape

@@ -300,9 +300,9 @@ def _check_types(reader: GGUFFile) -> None:
             entry[1] += tensor.data.nbytes
     if converted:
         logger.warning("these tensor types have no format of their own here and are dequantized by rows and "
-                       "quantized again (int4 per 32 weights, or the float path's dtype): %s", ", ".join(
-                           f"{name} ({count} tensors, {size / (1 << 20):.0f} MiB in the file)"
-                           for name, (count, size) in converted.items()))
+                       "quantized again (int4 per 32 weights, a head int8; the float path takes their values): "
+                       "%s", ", ".join(f"{name} ({count} tensors, {size / (1 << 20):.0f} MiB in the file)"
+                                       for name, (count, size) in converted.items()))
 
 
 def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray, rows: tuple[int, int] | None,
