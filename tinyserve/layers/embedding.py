@@ -25,8 +25,10 @@ from tinyserve.parallel.shard import CheckpointSlice, column_slice
 
 class Embedding(DirectCall, nn.Embedding):
     """Looks rows up in `weight_format`: DenseWeight(self.weight), or the Int8Weight / Int4Weight /
-    Int6SuperblockWeight of a quantized tied head (set by the loader; `weight` is then a placeholder on meta).
-    The same NOTE as Linear's holds: a replaced parameter needs use_dense_weight again."""
+    Int6SuperblockWeight of a quantized tied head, or the file's own codes of an untied one (Int4Weight,
+    Int8Weight; in w4a16 Int4SuperblockWeight for Q4_K, Int6SuperblockWeight for Q6_K), set by the loader;
+    `weight` is then a placeholder on meta. The same NOTE as Linear's holds: a replaced parameter needs
+    use_dense_weight again."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup = SINGLE):
         """Tensor parallel: this rank holds rows [rank x V / T, (rank + 1) x V / T) of the V-token vocabulary."""
