@@ -188,10 +188,8 @@ def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight |
     match weight:
         case DenseWeight():
             return F.embedding(ids, weight.weight)
-        case Int8Weight() | Int4Weight() | Int6SuperblockWeight():
-            return weight.rows(ids)
-        case Int4SuperblockWeight() if type(weight) is Int4SuperblockWeight:  # not its Q5_K subclass
-            return weight.rows(ids)
+        case Int8Weight() | Int4Weight() | Int4SuperblockWeight() | Int6SuperblockWeight():
+            return weight.rows(ids)  # Int4SuperblockWeight's refuses its Q5_K subclass
         case _:
             raise TypeError(f"no embedding lookup for a {type(weight).__name__}")
 

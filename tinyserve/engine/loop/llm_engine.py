@@ -128,9 +128,8 @@ class LLMEngine:
                                             scheduler_config.max_num_batched_tokens, layout, draft_bytes)
         self.config = replace(config, cache=cache_config, scheduler=scheduler_config)
         self.max_model_len = max_model_len
-        for model in (loaded.model, draft.model if draft else None):
-            if model is not None:
-                cover_positions(model, max_model_len, device)  # the rotary tables, for the positions served
+        for model in [loaded.model, *([draft.model] if draft else [])]:
+            cover_positions(model, max_model_len, device)  # the rotary tables, for the positions served
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             hash_seed=f"{loaded.source}:{dtype}:{loaded.quantization}:{kv_dtype}",  # cached KV is per weights
