@@ -386,3 +386,16 @@ def test_stop_ids_outside_the_vocab_mask_nothing():
     expected[0, 7] = float("-inf")
     torch.testing.assert_close(process_logits(logits, requests), expected)
     assert Sampler()(logits, requests).next_token_ids == expected.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=2.3e-294, seed=1),
+                                    SamplingParams(temperature=1e-300, seed=1)], ids=["penalty", "temperature"])
+def test_a_divisor_below_float32_s_range_keeps_masked_tokens_out(params):
+    """A penalty or temperature that rounds to 0 in float32 made a masked (-inf) seen logit NaN, and the row drew
+    it (the gRPC fuzz: a token its grammar forbids); a divided logit past float32's range must not be +inf."""
+    logits = torch.tensor([[3.0, -2.0, float("-inf"), 1.0, float("-inf")]])
+    request = make_request(params, prompt=(0, 1, 2, 3))  # seen: the allowed tokens and a masked one
+    processed = process_logits(logits, [request])
+    assert not processed.isnan().any() and not (processed == float("inf")).any()
+    assert processed[0, 2] == float("-inf") and processed[0, 4] == float("-inf")
+    assert all(Sampler(seed=s)(logits, [request]).next_token_ids[0] in (0, 1, 3) for s in range(20))

@@ -16,6 +16,10 @@ from tinyserve.engine.loop.request import Request
 from tinyserve.types import SamplingParams
 
 _NEG_INF = float("-inf")
+# A temperature or repetition penalty is a float32 divisor here: one below float32's smallest normal (the API
+# takes any value > 0) would round to 0, and a masked logit times 0 is NaN (the gRPC fuzz drew a token its
+# grammar forbids that way). Held at it, a divided logit can still pass float32's range: held at its largest.
+_F32 = torch.finfo(torch.float32)
 
 
 @dataclass
@@ -33,8 +37,8 @@ class AdjustParams:
     @classmethod
     def build(cls, requests: list[Request], device: torch.device) -> AdjustParams:
         sps = [r.sampling_params for r in requests]
-        rows = [(1.0 if p.is_greedy else p.temperature, p.repetition_penalty, p.presence_penalty,
-                 p.frequency_penalty) for p in sps]
+        rows = [(1.0 if p.is_greedy else max(p.temperature, _F32.tiny), max(p.repetition_penalty, _F32.tiny),
+                 p.presence_penalty, p.frequency_penalty) for p in sps]
         table = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)  # one copy, [batch, 4]
         return cls(
             temperature=table[:, 0:1], repetition_penalty=table[:, 1:2], presence_penalty=table[:, 2:3],
@@ -66,10 +70,11 @@ class Candidates:
 
 def adjusted(logits: torch.Tensor, requests: list[Request], params: AdjustParams) -> torch.Tensor:
     """[batch, vocab] float32 logits after bias, min_tokens, penalties and temperature. Out of place: the
-    caller's tensor is never written."""
+    caller's tensor is never written. A logit divided past float32's range is held at its largest (_F32):
+    +inf would make its row's softmax NaN."""
     logits = _apply_sparse_updates(logits, requests)
     logits = _apply_penalties(logits, requests, params)
-    return logits / params.temperature
+    return (logits / params.temperature).clamp_(max=_F32.max)
 
 
 def cut(logits: torch.Tensor, requests: list[Request]) -> list[Candidates]:
