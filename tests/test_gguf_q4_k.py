@@ -4,6 +4,8 @@ file's size, its W4A16 kernel (csrc/quantized_matmul_a16.cpp) against float64 on
 same bits for a token in any batch, and a Q4_K_M-like mix (Q4_K, Q6_K, Q4_0) loaded in w4a16 mode with each
 tensor in its own format."""
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -15,8 +17,10 @@ from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_format
 
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
-from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int6SuperblockWeight, Int8Weight
-from tinyserve.loader.gguf.blocks import superblock_codes
+from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
+                                   Int6SuperblockWeight, Int8Weight)
+from tinyserve.loader.gguf.blocks import (group_codes, int5_superblock_codes, int6_superblock_codes,
+                                          superblock_codes)
 from tinyserve.loader.gguf.checkpoint import open_gguf
 
 ROWS, COLS = 21, 512  # odd rows (two blocks of 16, the second padded), two super-blocks a row
@@ -90,6 +94,33 @@ def test_a_token_s_output_is_the_same_bits_in_any_batch():
     """Each (token, row) sum runs over the inputs in one order whatever the step's size or tiling."""
     weight = Int4SuperblockWeight.from_codes(superblock_codes(_blocks(2)))
     assert_the_same_bits_in_any_batch(lambda x: _matmul(x, weight), COLS, seed=2)
+
+
+def _a16_weight(qtype: Q, blocks: np.ndarray):
+    """blocks of qtype in the format w4a16 mode holds them in (each computed by csrc/quantized_matmul_a16.cpp)."""
+    match qtype:
+        case Q.Q4_1:
+            return dataclasses.replace(Int4Weight.from_codes(group_codes("w", qtype, blocks)), int8_inputs=False)
+        case Q.Q8_0:
+            return dataclasses.replace(Int8Weight.from_codes(group_codes("w", qtype, blocks)), int8_inputs=False)
+        case Q.Q5_1:
+            return Int5Weight.from_codes(group_codes("w", qtype, blocks))
+        case Q.Q4_K:
+            return Int4SuperblockWeight.from_codes(superblock_codes(blocks))
+        case Q.Q5_K:
+            return Int5SuperblockWeight.from_codes(int5_superblock_codes(blocks))
+        case Q.Q6_K:
+            return Int6SuperblockWeight.from_codes(int6_superblock_codes(blocks))
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_every_a16_format_gives_a_token_the_same_bits_in_steps_of_one_to_four(qtype):
+    """Steps of 1-4 tokens take the kernel's fused path, several blocks of 16 rows side by side (4 for one token
+    on AVX2); 69 rows make a full run of blocks and a padded tail. A token's output must be the same bits as in
+    a 64-token step (the staged path)."""
+    weight = _a16_weight(qtype, random_rows(qtype, 5, rows=69))
+    assert_the_same_bits_in_any_batch(lambda x: ops.linear(x, weight), COLS, seed=5)
 
 
 def assert_the_same_bits_in_any_batch(matmul, cols: int, seed: int) -> None:

@@ -30,6 +30,7 @@ constexpr int kParts = 2;
 constexpr int kWidth = kRows / kParts;
 typedef float lanes __attribute__((vector_size(kWidth * 4)));
 typedef uint32_t ulanes __attribute__((vector_size(kWidth * 4)));
+typedef int32_t ilanes __attribute__((vector_size(kWidth * 4)));
 
 constexpr int kSuperGroups = 8;  // groups of 32 per super-block of 256 inputs (GGUF's K-quants)
 

@@ -51,6 +51,13 @@ constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }  // int4: 
 // step, not once per pass.
 constexpr int kChunkGroups = 8;
 
+// A vector of codes (each below 256) widened: code * scale + offset, rounded once (one FMA). The codes go in
+// as signed int32, which AVX2 converts in one instruction; as unsigned GCC splits each into two halves and
+// converts both (six instructions for one).
+inline lanes widened(ulanes code, lanes scale, lanes offset) {
+  return __builtin_convertvector(reinterpret_cast<ilanes>(code), lanes) * scale + offset;
+}
+
 // Groups g0 .. g0 + count - 1 of a block, widened: w[j * kParts + p] = part p of the rows' weights of input
 // g0 * 32 + j.
 template <class Groups>
@@ -82,7 +89,7 @@ void widen(const uint8_t* codes, const Groups& groups, int64_t g0, int64_t count
             else
               code = (bytes >> (Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i)) & kMask;
             w[((g - g0) * kGroup + kPerChunk * c + i) * kParts + p] =
-                __builtin_convertvector(code, lanes) * scale + offset;
+                widened(code, scale, offset);
           }
         }
       }
@@ -128,6 +135,103 @@ void block(const uint8_t* codes, const Groups& scales, const float* x, int64_t k
   }
 }
 
+// Steps of a few tokens (a decode step of one to four sequences): the widened weights go straight from
+// registers into the sums, several blocks at a time. With one token a block has only kParts sums, each a chain
+// of dependent FMAs (one a 4-5 cycles), and staging the widened weights in L1 costs a store and a load per
+// vector; R blocks side by side give kParts * R independent chains and nothing goes through memory. Each
+// (token, row) sum is the same FMAs on the same widened weights in the same input order as block()'s, so a
+// token's output has the same bits either way (tests/test_quant.py checks it).
+template <int T, int R, class Groups>
+void fused_blocks(const uint8_t* const* codes, const Groups* groups, const float* x, int64_t k, float* const* sums) {
+  constexpr int Bits = Groups::kBits, HighBits = Groups::kHighBits;
+  constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
+  constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
+  constexpr int kChunksPerScale = kChunks / Groups::kScales;
+  lanes acc[T][R][kParts];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < kParts; ++p) acc[t][r][p] = lanes{};
+  const int64_t n_groups = k / kGroup;
+  for (int64_t g = 0; g < n_groups; ++g)
+    for (int h = 0; h < Groups::kScales; ++h) {
+      lanes scale[R][kParts], offset[R][kParts];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < kParts; ++p) groups[r].get(g, h, p, scale[r][p], offset[r][p]);
+      for (int c = h * kChunksPerScale; c < (h + 1) * kChunksPerScale; ++c) {
+        ulanes low[R][kParts], high[R][kParts];
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < kParts; ++p) {
+            ulanes bytes;
+            __builtin_memcpy(&bytes, codes[r] + g * group_bytes<Bits>() + c * 64 + p * kWidth * 4, sizeof(bytes));
+            low[r][p] = high[r][p] = bytes;
+            if constexpr (HighBits > 0) {
+              using Plane = HighPlane<HighBits>;
+              const ulanes plane = groups[r].high(g, c / Plane::kSpanChunks, p);
+              low[r][p] = Plane::codes(bytes, plane, c % Plane::kSpanChunks, 0);
+              high[r][p] = Plane::codes(bytes >> 4, plane, c % Plane::kSpanChunks, 1);
+            }
+          }
+        for (int i = 0; i < kPerChunk; ++i) {
+          float xv[T];
+          for (int t = 0; t < T; ++t) xv[t] = x[t * k + g * kGroup + kPerChunk * c + i];
+          for (int r = 0; r < R; ++r)
+            for (int p = 0; p < kParts; ++p) {
+              ulanes code;
+              if constexpr (HighBits > 0)
+                code = ((i < 4 ? low[r][p] : high[r][p]) >> (8 * (i % 4))) & 0xff;
+              else
+                code = (low[r][p] >> (Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i)) & kMask;
+              const lanes w = widened(code, scale[r][p], offset[r][p]);
+              for (int t = 0; t < T; ++t) acc[t][r][p] += xv[t] * w;
+            }
+        }
+      }
+    }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) __builtin_memcpy(sums[r] + t * kRows, &acc[t][r], sizeof(acc[t][r]));
+}
+
+// Blocks side by side in fused_blocks for a step of T tokens: enough for 8 chains of sums (AVX2: 4 blocks for
+// one token, 2 for two, 1 for three or four).
+template <int T>
+constexpr int kSideBySide = std::max(1, 8 / (kParts * T));
+
+// All blocks of a T-token step through fused_blocks, runs of kSideBySide<T> blocks split over the threads.
+template <int T, class Groups, class Out>
+void fused_matmul(const uint8_t* codes, const Groups& weight, const float* x, int64_t k, int64_t n, Out* out) {
+  constexpr int R = kSideBySide<T>;
+  const int64_t groups = k / kGroup, blocks = (n + kRows - 1) / kRows, runs = (blocks + R - 1) / R;
+  auto block_codes = [&](int64_t b) { return codes + b * groups * group_bytes<Groups::kBits>(); };
+#pragma omp parallel
+  {
+    float result[R][T * kRows];
+#pragma omp for schedule(static)
+    for (int64_t run = 0; run < runs; ++run) {
+      const int64_t b0 = run * R;
+      const int count = static_cast<int>(std::min<int64_t>(R, blocks - b0));
+      if (count == R) {
+        const uint8_t* run_codes[R];
+        Groups run_groups[R];
+        float* sums[R];
+        for (int r = 0; r < R; ++r) {
+          run_codes[r] = block_codes(b0 + r);
+          run_groups[r] = weight.at(b0 + r, groups);
+          sums[r] = result[r];
+        }
+        fused_blocks<T, R>(run_codes, run_groups, x, k, sums);
+      } else {  // the last blocks, fewer than a run
+        for (int r = 0; r < count; ++r) {
+          const uint8_t* one_codes[1] = {block_codes(b0 + r)};
+          const Groups one_groups[1] = {weight.at(b0 + r, groups)};
+          float* sums[1] = {result[r]};
+          fused_blocks<T, 1>(one_codes, one_groups, x, k, sums);
+        }
+      }
+      for (int r = 0; r < count; ++r) tinyserve::store_block(n, T, b0 + r, result[r], out);
+    }
+  }
+}
+
 // The weight's blocks of 16 rows and groups of 32 inputs, x and out_features checked.
 struct Shape {
   int64_t blocks, groups;
@@ -164,10 +268,19 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
   auto pass = [&](int64_t b, float* sum) {
     block(cp + b * groups * group_bytes<Groups::kBits>(), scales.at(b, groups), xp, k, tokens, sum);
   };
+  auto run = [&](auto* o) {
+    switch (tokens) {  // steps of up to kTile tokens: fused_blocks (the same sums: the same bits)
+      case 1: return fused_matmul<1>(cp, scales, xp, k, n, o);
+      case 2: return fused_matmul<2>(cp, scales, xp, k, n, o);
+      case 3: return fused_matmul<3>(cp, scales, xp, k, n, o);
+      case 4: return fused_matmul<4>(cp, scales, xp, k, n, o);
+      default: return tinyserve::for_each_row_block(n, tokens, o, pass);
+    }
+  };
   if (x.scalar_type() == at::kFloat)
-    tinyserve::for_each_row_block(n, tokens, out.data_ptr<float>(), pass);
+    run(out.data_ptr<float>());
   else
-    tinyserve::for_each_row_block(n, tokens, out.data_ptr<c10::BFloat16>(), pass);
+    run(out.data_ptr<c10::BFloat16>());
   return out;
 }
 
