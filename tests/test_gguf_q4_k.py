@@ -15,6 +15,7 @@ from test_gguf import write_random_llama
 from test_gguf_dequant import REFERENCES, random_blocks
 from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
 
+from tinyserve.engine.memory.sizing import weight_bytes_by_format
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
@@ -197,13 +198,16 @@ MIX = ALL_Q4_K | {
     "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K, "output.weight": Q.Q6_K,
     "blk.1.attn_output.weight": Q.Q4_0, "blk.1.ffn_up.weight": Q.Q4_0, "token_embd.weight": Q.Q4_K}
 # our module -> its format in w4a16 mode: Q4_K's (Q6_K's) own where every shard is Q4_K (Q6_K: the head too,
-# tests/test_gguf_q6_k.py); else a shard above 4 bits: int8; else int4, where a Q4_0 shard keeps its own codes
+# tests/test_gguf_q6_k.py); a merged linear of several types, each run of shards in its own type's format (a
+# tuple: StackedWeight's runs); else int4, where a Q4_0 shard keeps its own codes
 # and a Q4_K shard is quantized by int4's rule
 W4A16_FORMATS = {
-    "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.0.self_attn.o_proj": Int4SuperblockWeight,
+    "model.layers.0.self_attn.qkv_proj": (Int4SuperblockWeight, Int6SuperblockWeight),
+    "model.layers.0.self_attn.o_proj": Int4SuperblockWeight,
     "model.layers.0.mlp.gate_up_proj": Int4SuperblockWeight, "model.layers.0.mlp.down_proj": Int6SuperblockWeight,
     "model.layers.1.self_attn.qkv_proj": Int4SuperblockWeight, "model.layers.1.self_attn.o_proj": Int4Weight,
-    "model.layers.1.mlp.gate_up_proj": Int4Weight, "model.layers.1.mlp.down_proj": Int4SuperblockWeight,
+    "model.layers.1.mlp.gate_up_proj": (Int4SuperblockWeight, Int4Weight),
+    "model.layers.1.mlp.down_proj": Int4SuperblockWeight,
     "lm_head": Int6SuperblockWeight,
 }
 # the tensor types a format takes code for code; a shard of any other is quantized by its rule
@@ -232,13 +236,34 @@ def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
 
 
 @needs_int_kernels
+def test_a_merged_linear_of_two_types_holds_each_in_its_file_s_size(mixed_path):
+    """Layer 0's QKV (Q4_K q and k, a Q6_K v; in a Q4_K_M file most layers' are so) in a run of Q4_K's format
+    and a run of Q6_K's, not int8 for all three (272 bytes per 256 weights for the file's 144 and 210), and the
+    start-up log's weight figure (weight_bytes_by_format) counts both runs."""
+    model, linears, stored = load_in_formats(mixed_path, W4A16_FORMATS)
+    q, k, v = (stored[name] for name in _gguf_names("model.layers.0.self_attn.qkv_proj"))
+    q_and_k, v_run = linears["model.layers.0.self_attn.qkv_proj"].weight_format.parts
+    assert (q_and_k.nbytes, v_run.nbytes) == ((q + k) * 148 // 144, v)
+    held = {}
+    for module in model.modules():
+        weight_format = getattr(module, "weight_format", None)
+        for part in getattr(weight_format, "parts", (weight_format,)):
+            if part is not None and hasattr(part, "nbytes"):
+                held[id(part)] = (type(part).__name__.removesuffix("Weight").lower(), part.nbytes)
+    by_format = weight_bytes_by_format(model)
+    for name in ("int4superblock", "int6superblock"):
+        assert by_format[name] == sum(n for fmt, n in held.values() if fmt == name)
+
+
+@needs_int_kernels
 def test_the_q4_k_linears_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
     dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
     superblock_tensors = {gguf_name for name, fmt in W4A16_FORMATS.items() if fmt is Int4SuperblockWeight
                           for gguf_name in _gguf_names(name)}
     assert superblock_tensors and not superblock_tensors & dequantized
-    assert "blk.0.attn_q.weight" in dequantized  # a Q4_K shard of an int8 linear (its V is Q6_K) is
+    # and a merged linear of two types (Q4_K q and k, a Q6_K v) takes each in its own codes
+    assert not set(_gguf_names("model.layers.0.self_attn.qkv_proj")) & dequantized
 
 
 def load_in_formats(path, formats: dict) -> tuple:
@@ -278,13 +303,15 @@ def _gguf_names(module: str) -> list[str]:
 def test_int4_mode_keeps_requantizing_q4_k(mixed_path):
     """int4 (int8 activations) has no super-block kernel: a Q4_K linear is requantized to Int4Weight by rows (a
     Q6_K one to Int8Weight)."""
-    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int4SuperblockWeight: Int4Weight,
-                                                       Int6SuperblockWeight: Int8Weight})
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {
+        Int4SuperblockWeight: Int4Weight, Int6SuperblockWeight: Int8Weight,
+        (Int4SuperblockWeight, Int6SuperblockWeight): Int8Weight, (Int4SuperblockWeight, Int4Weight): Int4Weight})
 
 
 def assert_int4_mode_holds(path, w4a16_formats: dict, int4_formats: dict) -> None:
     """The file loaded in int4 mode (bfloat16) holds its modules in w4a16's formats (by name) changed by
-    int4_formats (w4a16's format -> int4's)."""
+    int4_formats (w4a16's format -> int4's; a merged linear of several types by its runs' formats: int4 holds it
+    in one, int8 where a shard is stored above 4 bits)."""
     expected = {name: int4_formats.get(fmt, fmt) for name, fmt in w4a16_formats.items()}
     assert _formats(_build(path, dtype=torch.bfloat16, quantization="int4")) == expected
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf_q4_k import (ALL_Q4_K, assert_int4_mode_holds, assert_the_same_bits_in_any_batch,
+from test_gguf_q4_k import (ALL_Q4_K, _gguf_names, assert_int4_mode_holds, assert_the_same_bits_in_any_batch,
                             assert_w4a16_logits_match, assert_within_the_bound, dequantized_in_a_w4a16_load,
                             exact_values, load_in_formats, random_rows, write_tiny_llama)
 from test_gguf_q6_k import LINEARS
@@ -87,7 +87,8 @@ MIX = ALL_Q4_K | {"blk.0.attn_output.weight": Q.Q5_0, "blk.1.ffn_down.weight": Q
                   "output.weight": Q.Q5_0}
 W4A16_FORMATS = dict.fromkeys(LINEARS, Int4SuperblockWeight) | {
     "model.layers.0.self_attn.o_proj": Int5Weight, "model.layers.1.mlp.down_proj": Int5Weight,
-    "model.layers.0.mlp.gate_up_proj": Int5Weight, "model.layers.1.self_attn.qkv_proj": Int8Weight,
+    "model.layers.0.mlp.gate_up_proj": Int5Weight,
+    "model.layers.1.self_attn.qkv_proj": (Int4SuperblockWeight, Int5Weight),
     "lm_head": Int8Weight}
 TAKEN_AS_CODES = {Int4Weight: set(), Int8Weight: set(), Int4SuperblockWeight: {Q.Q4_K}, Int5Weight: {Q.Q5_0, Q.Q5_1}}
 
@@ -110,7 +111,8 @@ def test_the_q5_linears_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
     dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
     assert not {"blk.0.attn_output.weight", "blk.1.ffn_down.weight", "blk.0.ffn_gate.weight"} & dequantized
-    assert "blk.1.attn_v.weight" in dequantized  # the Q5_0 shard of an int8 linear (its Q and K are Q4_K) is
+    # nor those of the merged linear of Q4_K q and k beside a Q5_0 v (a run in each)
+    assert not set(_gguf_names("model.layers.1.self_attn.qkv_proj")) & dequantized
 
 
 @needs_int_kernels
@@ -122,4 +124,5 @@ def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
 @needs_int_kernels
 def test_int4_mode_keeps_requantizing_q5_0_and_q5_1(mixed_path):
     """int4 (int8 activations) has no wide-code kernel: a Q5_0 / Q5_1 linear is int8, from rows."""
-    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int4SuperblockWeight: Int4Weight, Int5Weight: Int8Weight})
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int4SuperblockWeight: Int4Weight, Int5Weight: Int8Weight,
+                                                       (Int4SuperblockWeight, Int5Weight): Int8Weight})

@@ -70,10 +70,11 @@ def test_the_format_holds_the_file_s_bytes_and_2_3_percent_more():
 MIX = {name: Q.Q5_K for name in ALL_Q4_K} | {
     "blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.1.ffn_gate.weight": Q.Q4_K,
     "token_embd.weight": Q.Q5_K, "output.weight": Q.Q6_K}
-# our module -> its format in w4a16 mode: each K-quant's own where every shard is of it; else int8
+# our module -> its format in w4a16 mode: each K-quant's own (a merged linear of two: a run in each)
 W4A16_FORMATS = dict.fromkeys(LINEARS, Int5SuperblockWeight) | {
-    "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.1.mlp.down_proj": Int6SuperblockWeight,
-    "model.layers.1.mlp.gate_up_proj": Int8Weight, "lm_head": Int6SuperblockWeight}
+    "model.layers.0.self_attn.qkv_proj": (Int5SuperblockWeight, Int6SuperblockWeight),
+    "model.layers.1.mlp.down_proj": Int6SuperblockWeight,
+    "model.layers.1.mlp.gate_up_proj": (Int4SuperblockWeight, Int5SuperblockWeight), "lm_head": Int6SuperblockWeight}
 TAKEN_AS_CODES = {Int4Weight: set(), Int8Weight: set(), Int4SuperblockWeight: {Q.Q4_K},
                   Int5SuperblockWeight: {Q.Q5_K}, Int6SuperblockWeight: {Q.Q6_K}}
 
@@ -96,14 +97,16 @@ def test_the_q5_k_linears_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
     dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
     assert not {"blk.1.attn_output.weight", "blk.0.ffn_down.weight", "blk.1.attn_q.weight"} & dequantized
-    assert "blk.0.attn_q.weight" in dequantized  # a Q5_K shard of an int8 linear (its V is Q6_K) is
+    # nor those of the merged linears of two K-quants (a run in each)
+    assert not {"blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.ffn_gate.weight"} & dequantized
 
 
 @needs_int_kernels
 def test_int4_mode_keeps_requantizing_q5_k(mixed_path):
     """int4 (int8 activations) has no wide-code kernel: a Q5_K or Q6_K linear is int8, from rows."""
-    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int5SuperblockWeight: Int8Weight,
-                                                       Int6SuperblockWeight: Int8Weight})
+    assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {
+        Int5SuperblockWeight: Int8Weight, Int6SuperblockWeight: Int8Weight,
+        (Int5SuperblockWeight, Int6SuperblockWeight): Int8Weight, (Int4SuperblockWeight, Int5SuperblockWeight): Int8Weight})
 
 
 @needs_int_kernels

@@ -75,12 +75,12 @@ def test_the_format_holds_the_file_s_bytes():
 
 # a Q4_K_M-like mix with a tied head: the embedding, a V and a down projection at Q6_K, the rest Q4_K
 MIX = ALL_Q4_K | {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K}
-# our module -> its format in w4a16 mode: Q6_K's and Q4_K's own where every shard is of one of them; a merged
-# linear of both: int8
+# our module -> its format in w4a16 mode: Q6_K's and Q4_K's own; a merged linear of both, a run in each
 LINEARS = [f"model.layers.{layer}.{name}" for layer in (0, 1)
            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
 W4A16_FORMATS = dict.fromkeys(LINEARS, Int4SuperblockWeight) | {
-    "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.1.mlp.down_proj": Int6SuperblockWeight,
+    "model.layers.0.self_attn.qkv_proj": (Int4SuperblockWeight, Int6SuperblockWeight),
+    "model.layers.1.mlp.down_proj": Int6SuperblockWeight,
     "lm_head": Int6SuperblockWeight}
 # the tensor types a format takes code for code; a shard of any other is quantized by its rule
 TAKEN_AS_CODES = {Int4Weight: set(), Int8Weight: set(), Int4SuperblockWeight: {Q.Q4_K},
@@ -111,14 +111,16 @@ def test_the_q6_k_matrices_load_without_a_float(mixed_path, monkeypatch):
     dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
     q6_k = {"token_embd.weight", *_gguf_names("model.layers.1.mlp.down_proj")}
     assert not q6_k & dequantized
-    assert "blk.0.attn_v.weight" in dequantized  # the Q6_K shard of an int8 linear (its Q and K are Q4_K) is
+    # nor the shards of the merged linear of both (Q4_K q and k, a Q6_K v: a run in each)
+    assert not set(_gguf_names("model.layers.0.self_attn.qkv_proj")) & dequantized
 
 
 @needs_int_kernels
 def test_int4_mode_keeps_requantizing_q6_k(mixed_path):
     """int4 (int8 activations) has no wide-code kernel: a Q6_K linear and the head are int8, from rows."""
     assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {Int6SuperblockWeight: Int8Weight,
-                                                       Int4SuperblockWeight: Int4Weight})
+                                                       Int4SuperblockWeight: Int4Weight,
+                                                       (Int4SuperblockWeight, Int6SuperblockWeight): Int8Weight})
 
 
 @needs_int_kernels

@@ -16,6 +16,7 @@ from tinyserve.engine.greedy_reference import forward_sequence
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead
 from tinyserve.layers.quant import Int4Weight, Int5Weight, Int8ChannelWeight, Int8Weight
+from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
 from tinyserve.loader.model_loader import build_model
 from tinyserve.loader.weights import match_tensors
@@ -36,11 +37,11 @@ MIX = {
     "token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0,  # the head: its file's Q4_x codes, else int8
 }
 # our module -> its format under --quantization int4
-INT4_MIX_FORMATS = {
-    "model.layers.0.self_attn.qkv_proj": Int8Weight, "model.layers.0.self_attn.o_proj": Int4Weight,
+INT4_MIX_FORMATS = {  # a merged linear of several types: a tuple, its runs' (StackedWeight)
+    "model.layers.0.self_attn.qkv_proj": (Int4Weight, Int8Weight), "model.layers.0.self_attn.o_proj": Int4Weight,
     "model.layers.0.mlp.gate_up_proj": Int4Weight, "model.layers.0.mlp.down_proj": Int8Weight,
     "model.layers.1.self_attn.qkv_proj": Int4Weight, "model.layers.1.self_attn.o_proj": Int8Weight,
-    "model.layers.1.mlp.gate_up_proj": Int8Weight, "model.layers.1.mlp.down_proj": Int4Weight,
+    "model.layers.1.mlp.gate_up_proj": (Int8Weight, Int4Weight), "model.layers.1.mlp.down_proj": Int4Weight,
     "lm_head": Int4Weight,  # Q4_0 in the file: its own codes (int8 mode: int8)
 }
 
@@ -56,8 +57,10 @@ def _build(path, dtype=torch.bfloat16, quantization=None):
     return build_model(config, gguf_tensors(reader, config), dtype, torch.device("cpu"), quantization=quantization)
 
 
-def _formats(model) -> dict[str, type]:
-    return {name: type(m.weight_format) for name, m in model.named_modules() if isinstance(m, (Linear, TiedLMHead))}
+def _formats(model) -> dict[str, type | tuple[type, ...]]:
+    """By module name, its weight format's type; a StackedWeight's as its runs' types."""
+    return {name: tuple(type(p) for p in m.weight_format.parts) if isinstance(m.weight_format, StackedWeight)
+            else type(m.weight_format) for name, m in model.named_modules() if isinstance(m, (Linear, TiedLMHead))}
 
 
 def test_each_tensor_carries_the_bits_its_type_stores(mixed_path):
@@ -85,11 +88,11 @@ def test_int4_keeps_the_linears_the_file_stores_above_4_bits_at_int8(mixed_path,
         model = _build(mixed_path, quantization="int4")
     assert _formats(model) == INT4_MIX_FORMATS
     assert caplog.messages.count("int4: 4 of 8 linears kept at int8 (the file stores them at 5-8 bits)") == 1
-    # layer 0's v shard (Q8_0) keeps the file's values exactly: int8 requantizes Q8_0 to its own codes
+    # layer 0's v shard (Q8_0) keeps the file's values exactly, in its own run of int8 beside q and k's int4 codes
     qkv = model.model.layers[0].self_attn.qkv_proj
     start, size = qkv.shard_offset(2)
     stored = _build(mixed_path, dtype=torch.float32).model.layers[0].self_attn.qkv_proj.weight[start:start + size]
-    assert torch.equal(qkv.weight_format.rows(torch.arange(start, start + size)), stored)
+    assert torch.equal(qkv.weight_format.parts[1].rows(torch.arange(size)), stored)
 
 
 @needs_int_kernels
@@ -112,7 +115,8 @@ def test_int8_mode_keeps_q8_0_and_puts_the_rest_in_int8_per_row(mixed_path):
 TAKEN_AS_CODES = {Int4Weight: {Q.Q4_0, Q.Q4_1}, Int8Weight: {Q.Q8_0}, Int5Weight: {Q.Q5_0, Q.Q5_1}}
 # w4a16 holds what int4 holds, but a linear the file stores all in Q5_0 / Q5_1 in its own codes
 # (tests/test_gguf_q5_0_q5_1.py)
-W4A16_MIX_FORMATS = INT4_MIX_FORMATS | {"model.layers.0.mlp.down_proj": Int5Weight}
+W4A16_MIX_FORMATS = INT4_MIX_FORMATS | {"model.layers.0.mlp.down_proj": Int5Weight,
+                                        "model.layers.1.mlp.gate_up_proj": (Int5Weight, Int4Weight)}
 
 
 @needs_int_kernels
@@ -141,12 +145,24 @@ def assert_logits_match_the_formats_values(model, path, formats: dict[str, type]
     for match in match_tensors(reference, gguf_tensors(reader, gguf_model_config(reader))):
         if match.linear is None:
             continue
-        fmt = formats[linears[match.linear]]
+        name = linears[match.linear]
+        fmt = formats[name]
+        if isinstance(fmt, tuple):  # a StackedWeight: the shard's run's format
+            fmt = _run_format(model.get_submodule(name).weight_format, match.linear_row)
         if types[_gguf_name(match.hf_name)] not in taken[fmt]:
             match.target.copy_(fmt.quantize(match.target)[1])
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     got, exact = forward_sequence(model, ids), forward_sequence(reference, ids)
     assert (got.float() - exact).abs().max() <= tolerance * exact.abs().max()
+
+
+def _run_format(stacked: StackedWeight, row: int) -> type:
+    """The format of the run of a StackedWeight that holds row `row`."""
+    for part in stacked.parts:
+        if row < part.out_features:
+            return type(part)
+        row -= part.out_features
+    raise IndexError(row)
 
 
 def test_a_file_counts_as_quantized_only_when_every_block_matrix_is(tmp_path, mixed_path, tiny_llama):

@@ -255,7 +255,9 @@ def quantized_format(module: Linear | TiedLMHead | Embedding, quantization: str,
         return SUPERBLOCK_FORMATS[superblock_bits]
     if quantization == "w4a16" and file_code_bits == 5:
         return Int5Weight
-    if module.stored_bits == 8:  # Q8_0 in the file: its own values
+    if file_code_bits == 4 and quantization != "int8":  # Q4_0 / Q4_1: their own codes (a merged linear's run of
+        return Int4Weight                               # them too, beside a projection stored at more bits)
+    if module.stored_bits == 8 or file_code_bits == 8:  # Q8_0 in the file: its own values
         return Int8Weight
     if quantization == "int8":
         return Int8ChannelWeight

@@ -21,7 +21,7 @@ from tinyserve.layers import kv_cache
 from tinyserve.layers.kv_cache import KVCache
 from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
                                     Int6SuperblockWeight, Int8ChannelWeight, Int8Weight)
-from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight
+from tinyserve.layers.weight_format import Bf16Weight, DenseWeight, LinearWeight, OneDnnWeight, StackedWeight
 
 
 def has_cpu_kernels() -> bool:
@@ -176,6 +176,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
         case Int6SuperblockWeight():
             out = cpu_kernels.w6a16_superblock_matmul(x, weight.codes, weight.high_bits, weight.d, weight.sub_scales,
                                                       weight.out_features)
+        case StackedWeight():
+            out = torch.cat([linear(x, part) for part in weight.parts], dim=-1)
         case _:
             raise TypeError(f"no linear for a {type(weight).__name__}")
     return out if bias is None else out + bias

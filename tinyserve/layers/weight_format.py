@@ -14,6 +14,8 @@
 - Int4SuperblockWeight (layers/quant.py): a GGUF's Q4_K matrix in its own codes and super-block scales (w4a16).
 - Int5Weight, Int5SuperblockWeight, Int6SuperblockWeight (layers/quant.py): a GGUF's Q5_0 / Q5_1, Q5_K, Q6_K
   matrix in its own 5-bit, 5-bit, 6-bit codes and scales (w4a16).
+- StackedWeight: a merged linear (QKV) whose file stores its projections in different types (a Q4_K_M's Q4_K
+  q and k beside a Q6_K v), each run of rows in its own type's format, one matmul a run.
 
 Whatever the format, the plain copy is dropped once it is repacked: weights live once, in the layout
 their kernel reads.
@@ -64,5 +66,15 @@ class Bf16Weight:
         return cls(interleaved.view(torch.bfloat16), out_features)
 
 
+@dataclass(frozen=True)
+class StackedWeight:
+    """Runs of rows, each in its own format: out = the runs' outputs side by side. For a merged linear whose
+    file holds its projections in types that no one format takes as they are: one format for all would hold
+    them requantized (int8 in w4a16 mode: a Q4_K projection at 272 bytes per 256 weights for the file's 144)."""
+
+    parts: tuple  # the runs' formats (LinearWeight), first rows first
+    out_features: int
+
+
 LinearWeight = (DenseWeight | OneDnnWeight | Bf16Weight | Int8Weight | Int4Weight | Int8ChannelWeight
-                | Int4SuperblockWeight | Int5Weight | Int5SuperblockWeight | Int6SuperblockWeight)
+                | Int4SuperblockWeight | Int5Weight | Int5SuperblockWeight | Int6SuperblockWeight | StackedWeight)

@@ -40,8 +40,8 @@ from tinyserve.loader.hf import hf_ignored, hf_model_config, hf_sampling_fields,
 from tinyserve.loader.model_files import is_model_source, not_a_model
 from tinyserve.loader.tokenizer import Tokenizer
 from tinyserve.loader.staged_linears import stage_linears
-from tinyserve.loader.weights import (file_code_bits, file_superblock_bits, load_weights_in_pieces, match_tensors,
-                                      note_stored_bits)
+from tinyserve.loader.weights import (file_code_bits, file_shard_bits, file_superblock_bits, load_weights_in_pieces,
+                                     match_tensors, note_stored_bits)
 from tinyserve.models.registry import get_model_class
 from tinyserve.parallel.shard import ModelShard
 from tinyserve.types import Job, run_to_end
@@ -175,7 +175,8 @@ def build_model_in_pieces(config: ModelConfig, tensors, dtype: torch.dtype, devi
     note_stored_bits(matches)
     staged = {}
     if quantization and ops.has_cpu_kernels():
-        staged = stage_linears(model, quantization, file_code_bits(matches), file_superblock_bits(matches))
+        staged = stage_linears(model, quantization, file_code_bits(matches), file_superblock_bits(matches),
+                              file_shard_bits(matches))
     _materialize(model, load_dtype, device, on_meta=staged)
     # NOTE: parameters that need no grad, rather than `with torch.no_grad()` around the pieces: grad mode
     # is the thread's, and the step loop runs other work between them

@@ -25,6 +25,7 @@ from torch import nn
 
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
+from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
                                     Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
                                     Int8ChannelWeight, Int8Weight, SuperblockCodes, int4_group_codes,
@@ -37,6 +38,17 @@ _BITS = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}  # the bits of the group c
 # the formats of a K-quant's super-blocks (w4a16 alone) -> the codes they are made of
 _SUPERBLOCK_CODES = {Int4SuperblockWeight: SuperblockCodes, Int5SuperblockWeight: Int5SuperblockCodes,
                      Int6SuperblockWeight: Int6SuperblockCodes}
+
+
+@dataclass(frozen=True)
+class ShardBits:
+    """One projection of a merged linear as the file stores it: its rows, and the bits of its codes that convert
+    as they are (file_code_bits) or of its K-quant (file_superblock_bits), None where it has none."""
+
+    first_row: int
+    rows: int
+    code_bits: int | None
+    superblock_bits: int | None
 
 
 @dataclass
@@ -117,40 +129,102 @@ class StagedLinear:
 
     def finish(self) -> None:
         """The holders take the format (their `weight` stays the meta placeholder they were built with)."""
+        weight = self.build()
+        for holder in self.holders:
+            holder.weight_format = weight
+
+    def build(self) -> Any:
+        """The format from the rows written (all of them), its buffers released."""
         if self.values is not None:
             weight, _ = Int8ChannelWeight.quantize(self.values)
         else:
             weight = self.fmt.from_codes(self.codes)
             if not self.int8_inputs and self.fmt in (Int4Weight, Int8Weight):  # the others are W4A16 alone
                 weight = dataclasses.replace(weight, int8_inputs=False)
-        for holder in self.holders:
-            holder.weight_format = weight
         self.codes = self.values = None
+        return weight
+
+
+@dataclass
+class StagedStack:
+    """A merged linear whose projections the file stores in different types (ShardBits): consecutive
+    projections of one format staged together as a run, each run a StagedLinear of its rows; the Linear takes a
+    StackedWeight of the runs' formats once every row is in."""
+
+    linear: Linear
+    runs: list[tuple[int, StagedLinear]]  # (first row, the run), first rows first
+
+    @classmethod
+    def start(cls, linear: Linear, quantization: str, shards: list[ShardBits]) -> StagedStack | StagedLinear:
+        """Its runs; a single StagedLinear where every projection takes the same format anyway. A run's
+        projections need not share a type: codes_decoder picks each tensor's way in (its codes where they are
+        the format's, else float rows), and a super-block format is only ever chosen for its own K-quant."""
+        runs: list[tuple[int, StagedLinear]] = []
+        for shard in shards:
+            fmt = quantized_format(linear, quantization, shard.code_bits, shard.superblock_bits)
+            if runs and runs[-1][1].fmt is fmt:
+                last = runs[-1][1]
+                last.shape = (last.shape[0] + shard.rows, last.shape[1])
+                last.rows_left += shard.rows
+            else:
+                runs.append((shard.first_row, StagedLinear((), fmt, quantization != "w4a16",
+                                                           (shard.rows, linear.in_features))))
+        if len(runs) == 1:
+            return dataclasses.replace(runs[0][1], holders=(linear,))
+        return cls(linear, runs)
+
+    @property
+    def rows_left(self) -> int:
+        return sum(run.rows_left for _, run in self.runs)
+
+    def run_at(self, row: int) -> tuple[StagedLinear, int]:
+        """The run that holds the linear's row `row`, and that row's index in it."""
+        first, run = next((first, run) for first, run in reversed(self.runs) if first <= row)
+        return run, row - first
+
+    def finish(self) -> None:
+        self.linear.weight_format = StackedWeight(tuple(run.build() for _, run in self.runs), self.linear.out_features)
 
 
 def stage_linears(model: nn.Module, quantization: str, file_code_bits: Mapping[nn.Module, int | None],
-                  superblock_bits: Mapping[nn.Module, int] | None = None) -> dict[nn.Module, StagedLinear]:
+                  superblock_bits: Mapping[nn.Module, int] | None = None,
+                  shard_bits: Mapping[nn.Module, list[ShardBits]] | None = None
+                  ) -> dict[nn.Module, StagedLinear | StagedStack]:
     """A StagedLinear for every Linear and tied LM head of the model (built on meta, its `stored_bits` set
     from the checkpoint's headers), by the module whose `weight` it fills; file_code_bits: by that module,
     the bits of the file's codes that convert as they are (loader/weights.py, file_code_bits); superblock_bits:
     by module, the bits of the K-quant the file stores it all in (file_superblock_bits). An untied embedding
     whose file codes convert is held in them too (its rows looked up there: layers/embedding.py), not in a
-    float copy of vocab x hidden; any other keeps its float matrix."""
-    superblock_bits = superblock_bits or {}
+    float copy of vocab x hidden; any other keeps its float matrix. shard_bits: the merged linears whose
+    projections the file stores in different types (file_shard_bits), staged by runs (StagedStack)."""
+    superblock_bits, shard_bits = superblock_bits or {}, shard_bits or {}
     heads = [m for m in model.modules() if isinstance(m, (Linear, TiedLMHead))]
     tied = {id(m.embedding) for m in heads if isinstance(m, TiedLMHead)}
     staged = {}
     for module in heads:
         owner = module.embedding if isinstance(module, TiedLMHead) else module
-        staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner), superblock_bits.get(owner))
+        if owner in shard_bits:
+            staged[owner] = StagedStack.start(module, quantization, shard_bits[owner])
+        else:
+            staged[owner] = StagedLinear.start(module, quantization, file_code_bits.get(owner),
+                                               superblock_bits.get(owner))
     for module in model.modules():
         held = _held_in_file_codes(module, quantization, file_code_bits, superblock_bits)
         if isinstance(module, Embedding) and id(module) not in tied and held:
             staged[module] = StagedLinear.start(module, quantization, file_code_bits.get(module),
                                                 superblock_bits.get(module))
-    log_kept_at_int8(quantization, [s.fmt for s in staged.values()
-                                    if isinstance(s.holders[0], Linear) and not s.holders[0].is_lm_head])
+    log_kept_at_int8(quantization, [_block_format(s) for s in staged.values()
+                                    if isinstance(s, StagedStack) or isinstance(s.holders[0], Linear)
+                                    and not s.holders[0].is_lm_head])
     return staged
+
+
+def _block_format(staged: StagedLinear | StagedStack) -> QuantizedFormat:
+    """A block linear's format for log_kept_at_int8: a stack's counts as int8 where one of its runs is."""
+    if isinstance(staged, StagedLinear):
+        return staged.fmt
+    formats = [run.fmt for _, run in staged.runs]
+    return Int8Weight if Int8Weight in formats else formats[0]
 
 
 def _held_in_file_codes(embedding: Embedding, quantization: str, file_code_bits: Mapping[nn.Module, int | None],

@@ -22,7 +22,7 @@ from tinyserve.layers.quant import GroupCodes
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
-from tinyserve.loader.staged_linears import FileCodes, StagedLinear
+from tinyserve.loader.staged_linears import FileCodes, ShardBits, StagedLinear, StagedStack
 from tinyserve.parallel.shard import CheckpointSlice
 from tinyserve.types import Job
 
@@ -186,6 +186,26 @@ def file_superblock_bits(matches: list[Match]) -> dict[nn.Module, int]:
     return {owner: bits for owner, bits in held.items() if bits is not None}
 
 
+def file_shard_bits(matches: list[Match]) -> dict[nn.Module, list[ShardBits]]:
+    """The merged linears whose projections the file stores in different types (each read whole for this rank)
+    -> each projection's ShardBits, first rows first (loader/staged_linears.py holds each run in its format)."""
+    shards: dict[nn.Module, list[ShardBits]] = {}
+    for match in matches:
+        source = match.produce if isinstance(match.produce, TensorSource) else None
+        if match.owner is None or not isinstance(match.linear, MergedLinear):
+            continue
+        if source is None or match.part is not None:
+            shards[match.owner] = None
+            continue
+        if match.owner in shards and shards[match.owner] is None:
+            continue
+        superblock_bits = source.stored_bits if source.decode_superblocks is not None else None
+        shards.setdefault(match.owner, []).append(
+            ShardBits(match.linear_row, match.target.shape[0], source.code_bits, superblock_bits))
+    return {owner: sorted(bits, key=lambda b: b.first_row) for owner, bits in shards.items()
+            if bits is not None and len({(b.code_bits, b.superblock_bits) for b in bits}) > 1}
+
+
 def _by_owner(matches: list[Match], key: Callable[[TensorSource], Any]) -> dict[nn.Module, Any]:
     """By the module whose `weight` the matches fill: key(source) where every tensor of it (each read whole for
     this rank) has the same; else None."""
@@ -200,23 +220,26 @@ def _by_owner(matches: list[Match], key: Callable[[TensorSource], Any]) -> dict[
 def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
                            ignore: Callable[[str], bool] = lambda _: False,
                            reads: FileReads | None = None,
-                           staged: Mapping[nn.Module, StagedLinear] | None = None) -> Job[None]:
+                           staged: Mapping[nn.Module, StagedLinear | StagedStack] | None = None) -> Job[None]:
     """Fill `model` (already materialized on its device and dtype) from checkpoint tensors, yielding after
     each tensor, or after each block of PIECE_VALUES of a larger one that its source can read by rows (a
     rank's rows of a tensor-parallel one alone). Linears' `stored_bits` are noted (note_stored_bits).
     `reads`: the load's I/O thread, where every tensor is read (loader/file_reads.py), the copy into the
     model alone done here; None: read here. `staged`: the matrices loaded straight into their quantized
-    formats (loader/staged_linears.py), by the module whose `weight` stays on meta; each finished once its
-    rows are in."""
+    formats (loader/staged_linears.py; a StagedStack: a merged linear's runs of rows, each in its format), by the
+    module whose `weight` stays on meta; each finished once its rows are in."""
     matches = match_tensors(model, tensors, ignore)
     note_stored_bits(matches)
     staged = staged or {}
     for match in matches:
         source = match.produce if isinstance(match.produce, TensorSource) else None
         staging = staged.get(match.owner) if match.owner is not None else None
+        run, first_row = staging, match.linear_row  # where this tensor's rows go (a stack's run: its own rows)
+        if isinstance(staging, StagedStack):
+            run, first_row = staging.run_at(match.linear_row)
         as_codes = None
-        if staging is not None and source is not None and match.part is None:
-            as_codes = staging.codes_decoder(source.code_bits, source.decode_codes, source.decode_superblocks)
+        if run is not None and source is not None and match.part is None:
+            as_codes = run.codes_decoder(source.code_bits, source.decode_codes, source.decode_superblocks)
         for fetch, finish, rows in _pieces(match, as_codes):
             if reads is None:
                 fetched = fetch()
@@ -229,7 +252,7 @@ def load_weights_in_pieces(model: nn.Module, tensors: Iterable[NamedTensor],
             if staging is None:
                 target.copy_(piece)
             else:
-                staging.write(match.linear_row + (0 if rows is None else rows[0]), piece)
+                run.write(first_row + (0 if rows is None else rows[0]), piece)
             del piece
             yield
         if source is not None and source.release is not None:

@@ -121,15 +121,24 @@ def weight_bytes_by_format(*models: torch.nn.Module) -> dict[str, int]:
 
 def _tensors_by_format(module: torch.nn.Module):
     """The module's weight format's tensor fields first (a dense format's is the module's own parameter)."""
-    weight_format = getattr(module, "weight_format", None)
-    if dataclasses.is_dataclass(weight_format):
-        name = type(weight_format).__name__.removesuffix("Weight").lower()
-        for field in dataclasses.fields(weight_format):
-            if isinstance(value := getattr(weight_format, field.name), torch.Tensor):
-                yield name, value
+    yield from _format_tensors(getattr(module, "weight_format", None))
     for value in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
         if isinstance(value, torch.Tensor):  # tensors kept as plain attributes too (rotary tables)
             yield "other", value
+
+
+def _format_tensors(weight_format):
+    """(format name, tensor) of a weight format's tensor fields; a StackedWeight's by its parts' formats."""
+    if not dataclasses.is_dataclass(weight_format):
+        return
+    name = type(weight_format).__name__.removesuffix("Weight").lower()
+    for field in dataclasses.fields(weight_format):
+        value = getattr(weight_format, field.name)
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, tuple):  # StackedWeight.parts
+            for part in value:
+                yield from _format_tensors(part)
 
 
 def held_weight_bytes(model: torch.nn.Module) -> int:
