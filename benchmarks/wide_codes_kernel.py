@@ -48,7 +48,7 @@ def _weights(out_features: int, in_features: int) -> dict:
                 _random_blocks(out_features, in_features, 210, (208,)))),
             "q5_k": Int5SuperblockWeight.from_codes(int5_superblock_codes(
                 _random_blocks(out_features, in_features, 176, (0, 2)))),
-            "q5_1": Int5Weight.from_codes(group_codes("q5_1", GGMLQuantizationType.Q5_1, _random_blocks(
+            "q5_1": Int5Weight.from_codes(group_codes(GGMLQuantizationType.Q5_1, _random_blocks(
                 out_features, in_features, 24, (0, 2), block_values=32))),
             "int4": dataclasses.replace(Int4Weight.quantize(w)[0], int8_inputs=False),  # w4a16_matmul
             "int8": dataclasses.replace(Int8Weight.quantize(w)[0], int8_inputs=False)}  # w8a16_matmul

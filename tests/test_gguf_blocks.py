@@ -3,8 +3,10 @@ model loaded through them one Linear at a time (loader/staged_linears.py): the c
 file's values (the references follow ggml's block layouts: tests/test_gguf_dequant.py), the kernels compute
 with them, the formats hold the file's bytes, and the file's pages leave the process once read."""
 
+import dataclasses
 import re
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -37,9 +39,10 @@ def _blocks(qtype, seed=0) -> np.ndarray:
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_group_codes_stand_for_the_file_s_values_exactly(qtype):
     blocks = _blocks(qtype)
-    codes = group_codes("w", qtype, blocks)
+    codes = group_codes(qtype, blocks)
     expected = torch.from_numpy(REFERENCES[qtype](blocks.reshape(-1, blocks.shape[1] // (COLS // 32))))
     assert codes.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert (codes.minimums is None) == (qtype != Q.Q4_1)  # Q4_0 and Q8_0: w = (q - zero_code) * d
     assert torch.equal(codes.dequantized(), expected.reshape(ROWS, COLS).float())
 
 
@@ -50,7 +53,7 @@ def test_the_kernels_compute_with_the_file_s_values(qtype):
     from tinyserve.layers.kernels.cpu_kernels import w4a16_matmul, w8a16_matmul
 
     blocks = _blocks(qtype, seed=1)
-    weight = FORMATS[qtype].from_codes(group_codes("w", qtype, blocks))
+    weight = FORMATS[qtype].from_codes(group_codes(qtype, blocks))
     values = torch.from_numpy(REFERENCES[qtype](blocks.reshape(ROWS * COLS // 32, -1))).reshape(ROWS, COLS)
     x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
     if qtype == Q.Q8_0:
@@ -61,11 +64,70 @@ def test_the_kernels_compute_with_the_file_s_values(qtype):
     assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
-def test_a_q4_0_scale_without_a_float16_minimum_is_refused():
+def _int4_products(weight: Int4Weight, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x times the weight in both int4 kernels: int8-rounded activations (int4 mode) and unrounded (w4a16)."""
+    return {name: ops.linear(x, dataclasses.replace(weight, int8_inputs=int8_inputs))
+            for name, int8_inputs in (("int4", True), ("w4a16", False))}
+
+
+@needs_int_kernels
+def test_q4_0_computes_the_gguf_library_s_values_and_the_bits_it_did_with_stored_minimums():
+    """Against float64 on gguf-py's dequantization (tolerances: the w4a16 one above, int4's rounded activations
+    tests/test_quant.py's), and bit for bit what the same codes gave held with the minimum -8 * d."""
+    blocks = _blocks(Q.Q4_0, seed=2)
+    codes = group_codes(Q.Q4_0, blocks)
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_0)).double()
+    x = torch.randn(5, COLS, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ values.T
+    got = _int4_products(Int4Weight.from_codes(codes), x)
+    assert (got["w4a16"].double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert (got["int4"].double() - exact).abs().max() <= 0.03 * exact.abs().max()
+    with_minimums = _int4_products(Int4Weight.from_codes(codes.with_minimums()), x)
+    assert all(torch.equal(got[name], with_minimums[name]) for name in got)
+
+
+@needs_int_kernels
+def test_a_q4_0_scale_over_8188_loads():
+    """-8 * d has no float16 for |d| over 8188: refused while the loader stored it as a minimum; now the kernels
+    compute it in float32, and the file's values come out as they are."""
     blocks = _blocks(Q.Q4_0)
-    blocks[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)  # -8 * d overflows float16
-    with pytest.raises(ModelLoadError, match="Q4_0 scale"):
-        group_codes("blk.0.ffn_up.weight", Q.Q4_0, blocks)
+    blocks[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
+    codes = group_codes(Q.Q4_0, blocks)
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_0))
+    assert codes.minimums is None and torch.equal(codes.dequantized(), values)
+    weight = Int4Weight.from_codes(codes)
+    assert torch.equal(weight.rows(torch.arange(ROWS)), values)
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(3))
+    exact = x.double() @ values.double().T
+    for name, got in _int4_products(weight, x).items():
+        tolerance = 1e-5 if name == "w4a16" else 0.03
+        assert torch.isfinite(got).all() and (got.double() - exact).abs().max() <= tolerance * exact.abs().max()
+
+
+def _staged_int4(pieces) -> Int4Weight:
+    """An Int4Weight staged from group codes by blocks of rows (loader/staged_linears.py), as a merged linear's
+    shards arrive."""
+    holder, row = torch.nn.Module(), 0
+    staged = staged_linears.StagedLinear((holder,), Int4Weight, True, (sum(p.shape[0] for p in pieces), COLS))
+    for piece in pieces:
+        staged.write(row, piece)
+        row += piece.shape[0]
+    staged.finish()
+    return holder.weight_format
+
+
+def test_a_matrix_merging_q4_0_and_q4_1_shards_holds_minimums_and_the_file_s_values():
+    """A Q4_0 shard beside a Q4_1 one: the weight holds minimums, the Q4_0 rows' -8 * d; all Q4_0: none. A
+    Q4_0 scale whose -8 * d float16 cannot hold is refused in such a merge, not held as inf."""
+    q4_0, q4_1 = group_codes(Q.Q4_0, _blocks(Q.Q4_0, 4)), group_codes(Q.Q4_1, _blocks(Q.Q4_1, 5))
+    values = torch.cat([q4_0.dequantized(), q4_1.dequantized()])
+    merged = _staged_int4([q4_0, q4_1])
+    assert merged.minimums is not None and torch.equal(merged.rows(torch.arange(2 * ROWS)), values)
+    assert _staged_int4([q4_0, q4_0]).minimums is None
+    big = _blocks(Q.Q4_0, 4)
+    big[1, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
+    with pytest.raises(ModelLoadError, match="Q4_0 scale over 8188"):
+        _staged_int4([q4_1, group_codes(Q.Q4_0, big)])
 
 
 def _load(path, quantization="w4a16", dtype=torch.float32):
@@ -78,8 +140,7 @@ def _load(path, quantization="w4a16", dtype=torch.float32):
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_a_quantized_model_holds_its_file_s_bytes_and_no_float_linear(tmp_path, tiny_llama, qtype):
     """Every Linear's weight stays the meta placeholder; the block linears' formats hold as many bytes as the
-    file's blocks of them (Q4_1, Q8_0: the same layout's bytes; Q4_0: plus its minimums, 20 bytes a block
-    of 32 for its 18)."""
+    file's blocks of them: the same layout's bytes (Q4_0: 18 a block of 32, its scale and codes, no minimums)."""
     path = _write(tmp_path / "model.gguf", tiny_llama, qtype=qtype)
     model = _load(path)
     linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name.startswith("model.layers")]
@@ -87,7 +148,8 @@ def test_a_quantized_model_holds_its_file_s_bytes_and_no_float_linear(tmp_path, 
     held = sum(t.nbytes for m in linears for t in (m.weight_format.codes, m.weight_format.scales,
                                                     getattr(m.weight_format, "minimums", None)) if t is not None)
     stored = sum(t.data.nbytes for t in open_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2)
-    assert held == (stored * 20 // 18 if qtype == Q.Q4_0 else stored)
+    assert held == stored
+    assert all((getattr(m.weight_format, "minimums", None) is None) == (qtype != Q.Q4_1) for m in linears)
 
 
 @needs_int_kernels

@@ -101,11 +101,11 @@ def _a16_weight(qtype: Q, blocks: np.ndarray):
     """blocks of qtype in the format w4a16 mode holds them in (each computed by csrc/quantized_matmul_a16.cpp)."""
     match qtype:
         case Q.Q4_1:
-            return dataclasses.replace(Int4Weight.from_codes(group_codes("w", qtype, blocks)), int8_inputs=False)
+            return dataclasses.replace(Int4Weight.from_codes(group_codes(qtype, blocks)), int8_inputs=False)
         case Q.Q8_0:
-            return dataclasses.replace(Int8Weight.from_codes(group_codes("w", qtype, blocks)), int8_inputs=False)
+            return dataclasses.replace(Int8Weight.from_codes(group_codes(qtype, blocks)), int8_inputs=False)
         case Q.Q5_1:
-            return Int5Weight.from_codes(group_codes("w", qtype, blocks))
+            return Int5Weight.from_codes(group_codes(qtype, blocks))
         case Q.Q4_K:
             return Int4SuperblockWeight.from_codes(superblock_codes(blocks))
         case Q.Q5_K:

@@ -15,7 +15,6 @@ from test_gguf_q6_k import LINEARS
 
 from tinyserve.layers import ops
 from tinyserve.layers.quant import Int4SuperblockWeight, Int4Weight, Int5Weight, Int8Weight
-from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf.blocks import group_codes
 
 COLS = 256  # 8 groups a row (random_rows: 21 rows, two blocks of 16, the second padded)
@@ -24,7 +23,7 @@ needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(), reason="our C+
 
 
 def _weight(qtype: Q, blocks: np.ndarray) -> Int5Weight:
-    return Int5Weight.from_codes(group_codes("w", qtype, blocks))
+    return Int5Weight.from_codes(group_codes(qtype, blocks))
 
 
 def _matmul(x: torch.Tensor, weight: Int5Weight) -> torch.Tensor:
@@ -37,7 +36,9 @@ def _matmul(x: torch.Tensor, weight: Int5Weight) -> torch.Tensor:
 def test_the_codes_stand_for_the_file_s_values_exactly(qtype):
     """ggml's float32 values bit for bit; Q5_0's are exact ((q - 16) * d), Q5_1's rounded once (q * d + m)."""
     blocks = random_rows(qtype, 0, cols=COLS)
-    values = group_codes("w", qtype, blocks).dequantized()
+    codes = group_codes(qtype, blocks)
+    assert (codes.minimums is None) == (qtype == Q.Q5_0)  # Q5_0: w = (q - 16) * d, nothing stored beside d
+    values = codes.dequantized()
     assert torch.equal(values, torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
     exact = exact_values(qtype, blocks)
     assert ((values.double() - exact).abs() <= 2.0 ** -24 * exact.abs()).all()
@@ -45,12 +46,29 @@ def test_the_codes_stand_for_the_file_s_values_exactly(qtype):
         assert torch.equal(values.double(), exact)
 
 
-def test_a_q5_0_scale_without_a_float16_minimum_is_refused():
-    """-16 * d overflows float16 for |d| over 4094: said, not loaded as inf."""
+@needs_int_kernels
+def test_a_q5_0_scale_over_4094_loads():
+    """-16 * d has no float16 for |d| over 4094: refused while the loader stored it as a minimum; the kernel
+    computes it in float32, within the bound of the file's values."""
     blocks = random_rows(Q.Q5_0, 1, cols=COLS)
     blocks[0, 0:2] = np.frombuffer(np.float16(5000).tobytes(), dtype=np.uint8)
-    with pytest.raises(ModelLoadError, match="Q5_0 scale over 4094"):
-        group_codes("w", Q.Q5_0, blocks)
+    codes = group_codes(Q.Q5_0, blocks)
+    assert codes.minimums is None and torch.equal(codes.dequantized().double(), exact_values(Q.Q5_0, blocks))
+    weight = Int5Weight.from_codes(codes)
+    assert_within_the_bound(lambda x: _matmul(x, weight), exact_values(Q.Q5_0, blocks), 3, torch.float32, COLS + 2)
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q5_0_gives_the_bits_it_gave_with_minus_16_d_stored(dtype):
+    """The kernel's offset -16 * d in float32 is exact, as the float16 minimum the loader stored before: the
+    same bits for every token count across the kernel's passes."""
+    codes = group_codes(Q.Q5_0, random_rows(Q.Q5_0, 5, cols=COLS))
+    symmetric, explicit = Int5Weight.from_codes(codes), Int5Weight.from_codes(codes.with_minimums())
+    assert symmetric.minimums is None and explicit.minimums is not None
+    x = torch.randn(13, COLS, generator=torch.Generator().manual_seed(5)).to(dtype)
+    for tokens in (1, 3, 4, 5, 13):
+        assert torch.equal(_matmul(x[:tokens], symmetric), _matmul(x[:tokens], explicit)), tokens
 
 
 @needs_int_kernels
@@ -73,12 +91,12 @@ def test_a_token_s_output_is_the_same_bits_in_any_batch(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_the_format_holds_24_bytes_per_32_weights(qtype):
-    """Q5_1's 24 bytes per 32 weights of a row; Q5_0's 22 and its minimum (-16 d) as a float16: 24. ROWS pads
-    to 32 rows (the kernel's blocks of 16), so per row."""
+def test_the_format_holds_the_file_s_bytes_per_32_weights(qtype):
+    """Q5_1's 24 bytes per 32 weights of a row, Q5_0's 22 (no minimum: -16 d comes from d). ROWS pads to 32
+    rows (the kernel's blocks of 16), so per row."""
     blocks = random_rows(qtype, 4, cols=COLS)
     weight = _weight(qtype, blocks)
-    assert weight.nbytes / (weight.codes.shape[0] * 16) == COLS // 32 * 24
+    assert weight.nbytes / (weight.codes.shape[0] * 16) == COLS // 32 * (22 if qtype == Q.Q5_0 else 24)
 
 
 # Q4_K beside Q5_0 and Q5_1 linears (whole, or a shard beside a Q4_K one), a Q5_0 head
@@ -100,10 +118,12 @@ def mixed_path(tmp_path_factory):
 
 @needs_int_kernels
 def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
-    """Q5_0 and Q5_1 linears in Int5Weight (a merged one where every shard is either), a Q5_1 one in its file's
+    """Q5_0 and Q5_1 linears in Int5Weight (a merged one where every shard is either), each in its file's
     bytes; a Q5_0 head stays int8."""
     _, linears, stored = load_in_formats(mixed_path, W4A16_FORMATS)
     assert linears["model.layers.1.mlp.down_proj"].weight_format.nbytes == stored["blk.1.ffn_down.weight"]
+    q5_0 = linears["model.layers.0.self_attn.o_proj"].weight_format
+    assert q5_0.minimums is None and q5_0.nbytes == stored["blk.0.attn_output.weight"]
 
 
 @needs_int_kernels

@@ -131,6 +131,12 @@ def test_mixed_model_computes_its_mixed_quantized_values(mixed_path, quantizatio
     model = _build(mixed_path, dtype=dtype, quantization=quantization)
     assert _formats(model) == formats
     assert_logits_match_the_formats_values(model, mixed_path, formats, TAKEN_AS_CODES, tolerance)
+    # all Q4_0: no minimums (w = (q - 8) * d); a Q4_0 shard beside Q4_1 ones, or float rows: minimums
+    held_minimums = {name: m.weight_format.minimums is not None for name, m in model.named_modules()
+                     if isinstance(getattr(m, "weight_format", None), Int4Weight)}
+    assert held_minimums == {"model.layers.0.self_attn.o_proj": False, "lm_head": False,
+                             "model.layers.0.mlp.gate_up_proj": True, "model.layers.1.self_attn.qkv_proj": True,
+                             "model.layers.1.mlp.down_proj": True}
 
 
 def assert_logits_match_the_formats_values(model, path, formats: dict[str, type], taken: dict[type, set],

@@ -1,7 +1,9 @@
 """Weight-only int8 / int4: our kernels compute what their formula says, GGUF's Q4_1 and Q8_0 tensors keep
-their own values, and a quantized model computes its quantized weights at every step size."""
+their own values, int4 without minimums (Q4_0's rule) computes what it did with -8 * scale stored, and a
+quantized model computes its quantized weights at every step size."""
 
 import copy
+import dataclasses
 
 import gguf
 import numpy as np
@@ -21,6 +23,7 @@ from tinyserve.layers.linear import (
 )
 from tinyserve.layers.quant import (
     SPAN,
+    GroupCodes,
     Int4Weight,
     Int8ChannelWeight,
     Int8Weight,
@@ -147,6 +150,39 @@ def test_int_kernels_give_a_token_the_same_bits_in_any_step_shape(fmt, dtype):
     whole = ops.linear(x, weight)
     for size in range(1, 65):
         assert torch.equal(torch.cat([ops.linear(x[a : a + size], weight) for a in range(0, 64, size)]), whole), size
+
+
+def _symmetric_codes(rows: int, in_features: int, seed: int) -> GroupCodes:
+    """4-bit codes without minimums (a GGUF Q4_0's rule, w = (code - 8) * scale): random codes, float16 scales
+    of either sign, the largest whose -8 * scale float16 holds (8188) and a subnormal one among them."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, in_features), generator=generator, dtype=torch.uint8)
+    scales = (torch.randn(rows, in_features // 32, generator=generator) * 0.01).half()
+    scales[0, 0], scales[-1, -1] = 8188, -6e-8
+    return GroupCodes(4, codes, scales, None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("int8_inputs", [True, False], ids=["int4", "w4a16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_without_minimums_gives_the_bits_it_gave_with_minus_8_scale_stored(int8_inputs, dtype):
+    """The kernels' offset -8 * scale, computed in float32, is exact, as the float16 minimum -8 * scale the
+    loader stored before: every output the same bits (both kernels, token counts across their passes, rows
+    not a multiple of 16) and every looked-up row (an embedding's), the formula's (code - 8) * scale; the
+    weight holds the codes and scales alone."""
+    rows, in_features = 40, 96
+    codes = _symmetric_codes(rows, in_features, seed=5)
+    symmetric, explicit = Int4Weight.from_codes(codes), Int4Weight.from_codes(codes.with_minimums())
+    assert symmetric.minimums is None and explicit.minimums is not None
+    assert symmetric.nbytes == explicit.nbytes - explicit.minimums.nbytes == 48 * 3 * 18  # 3 blocks of 16 rows
+    symmetric, explicit = (dataclasses.replace(w, int8_inputs=int8_inputs) for w in (symmetric, explicit))
+    x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(6)).to(dtype)
+    for tokens in (1, 2, 3, 5, 8, 19, 64):
+        assert torch.equal(ops.linear(x[:tokens], symmetric), ops.linear(x[:tokens], explicit)), tokens
+    formula = (codes.codes.reshape(rows, -1, 32).float() - 8) * codes.scales.float()[..., None]
+    ids = torch.arange(rows)
+    assert torch.equal(symmetric.rows(ids), formula.reshape(rows, in_features))
+    assert torch.equal(symmetric.rows(ids), explicit.rows(ids))
 
 
 def _channel_formula(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ so a quantized layer has one layout, the kernel's, for every step; ops.linear mu
 kernels round each group of 32 activations to int8, as llama.cpp's do: that is part of the quantized
 model.
 
-The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group), int8 is Q8_0
-(code -127..127, float16 scale per group), so a checkpoint in those formats keeps its own codes
-(tests/test_quant.py checks Q4_1's against the file's blocks). W4A16 also holds a GGUF's Q4_K matrices in their
-own codes and super-block scales (Int4SuperblockWeight). The int8 mode's block linears take a
-third, Int8ChannelWeight (one scale per row), where the file does not store them as Q8_0: its kernel
+The formats are GGUF's: int4 is Q4_1 (code 0..15, float16 scale and minimum per group) or, without minimums,
+Q4_0 (w = (code - 8) * scale), int8 is Q8_0 (code -127..127, float16 scale per group), so a checkpoint in those
+formats keeps its own codes (tests/test_quant.py checks Q4_1's against the file's blocks). W4A16 also holds a
+GGUF's Q4_K matrices in their own codes and super-block scales (Int4SuperblockWeight). The int8 mode's block
+linears take a third, Int8ChannelWeight (one scale per row), where the file does not store them as Q8_0: its kernel
 prefills at 1.6-2x bfloat16's rate, where the per-group ones run near bfloat16's.
 """
 
@@ -64,14 +64,16 @@ class GroupCodes:
     which a file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks convert to without any float (loader/gguf/blocks.py)
     and float weights quantize to (int4_group_codes, int8_group_codes), a block of rows at a time.
 
-    4 and 5 bits (Q4_1's rule): w = code * scale + minimum, code 0..15 (0..31). 8 bits (Q8_0's):
-    w = (code - 128) * scale, the code stored plus 128 in a byte (the kernels multiply unsigned bytes); minimums
-    None."""
+    With minimums (4 and 5 bits, Q4_1's and Q5_1's rule): w = code * scale + minimum, code 0..15 (0..31).
+    Without (the symmetric rule): w = (code - zero_code(bits)) * scale: Q4_0's and Q5_0's (code - 8) * d and
+    (code - 16) * d, and 8 bits' Q8_0, its code stored plus 128 in a byte (the kernels multiply unsigned bytes).
+    The symmetric rule's offset, -zero_code * scale, is exact in float32, so the kernels compute it from the
+    scale; held as a float16 minimum it cost 2 bytes per 32 weights and overflowed for Q4_0's d over 8188."""
 
     bits: int
     codes: torch.Tensor  # [rows, in] uint8
     scales: torch.Tensor  # [rows, in / 32] float16
-    minimums: torch.Tensor | None  # [rows, in / 32] float16 (4 and 5 bits), None (8 bits)
+    minimums: torch.Tensor | None  # [rows, in / 32] float16, or None: the symmetric rule (always at 8 bits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,8 +86,20 @@ class GroupCodes:
         groups = self.codes.reshape(rows, in_features // GROUP, GROUP).float()
         scale = self.scales.float()[..., None]
         if self.minimums is None:
-            return ((groups - 128) * scale).reshape(rows, in_features)
+            return ((groups - zero_code(self.bits)) * scale).reshape(rows, in_features)
         return (groups * scale + self.minimums.float()[..., None]).reshape(rows, in_features)
+
+    def with_minimums(self) -> GroupCodes:
+        """Symmetric 4- or 5-bit codes under Q4_1's rule: minimums -zero_code * scale, exact in float16 where
+        they do not overflow (inf there). For a matrix whose shards mix the rules (loader/staged_linears.py)."""
+        if self.minimums is not None:
+            return self
+        return dataclasses.replace(self, minimums=(self.scales.float() * -zero_code(self.bits)).to(torch.float16))
+
+
+def zero_code(bits: int) -> int:
+    """The code that stands for 0 under the symmetric rule (GroupCodes): 8, 16, 128 for 4, 5, 8 bits."""
+    return 1 << (bits - 1)
 
 
 def int8_group_codes(weight: torch.Tensor) -> GroupCodes:
@@ -185,13 +199,19 @@ def _nibble_chunks(codes: torch.Tensor) -> torch.Tensor:
     return (words[..., 0] | (words[..., 1] << 4)).contiguous().view(torch.uint8).reshape(rows, -1, 4, 4)
 
 
+def _scales_and_minimums(codes: GroupCodes) -> list[torch.Tensor]:
+    """The per-group values kernel_layout interleaves: the scales, and the minimums where the codes have them."""
+    return [codes.scales] if codes.minimums is None else [codes.scales, codes.minimums]
+
+
 @dataclass(frozen=True)
 class Int4Weight:
-    """Asymmetric int4 per group of 32 inputs (Q4_1): w = code * scale + minimum, code in [0, 15]."""
+    """int4 per group of 32 inputs, code in [0, 15]: asymmetric (Q4_1), w = code * scale + minimum, 20 bytes per
+    32 weights of a row, or without minimums symmetric (a file's Q4_0), w = (code - 8) * scale, 18: the file's."""
 
     codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: two codes a byte (inputs j and j + 4)
     scales: torch.Tensor  # [blocks, groups * 16] float16
-    minimums: torch.Tensor  # [blocks, groups * 16] float16
+    minimums: torch.Tensor | None  # [blocks, groups * 16] float16, or None: w = (code - 8) * scale
     out_features: int
     int8_inputs: bool = True  # the kernel rounds the activations to int8 (int4_matmul), else not (w4a16_matmul)
 
@@ -204,52 +224,60 @@ class Int4Weight:
     @classmethod
     def from_codes(cls, codes: GroupCodes) -> Int4Weight:
         """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
-        if codes.bits != 4 or codes.minimums is None:
-            raise ValueError(f"Int4Weight takes 4-bit codes with minimums, got {codes.bits}-bit")
-        packed, (scales, minimums) = kernel_layout(_nibble_chunks(codes.codes), [codes.scales, codes.minimums])
-        return cls(packed, scales, minimums, codes.codes.shape[0])
+        if codes.bits != 4:
+            raise ValueError(f"Int4Weight takes 4-bit codes, got {codes.bits}-bit")
+        packed, (scales, *minimums) = kernel_layout(_nibble_chunks(codes.codes), _scales_and_minimums(codes))
+        return cls(packed, scales, minimums[0] if minimums else None, codes.codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.minimums) if t is not None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ids [n] as float32 [n, in] (an embedding lookup), read from the kernel layout:
-        code * scale + minimum, as the kernels widen them (code * scale is exact, so one rounding either way)."""
+        code * scale + minimum (without minimums: + -8 * scale, exact), as the kernels widen them (code * scale
+        is exact, so one rounding either way)."""
         blocks = self.codes.shape[0]
         codes = self.codes.view(blocks, -1, KERNEL_ROWS, 4)  # [block, group and chunk, row, byte]
         scales = self.scales.view(blocks, -1, KERNEL_ROWS)  # [block, group, row]
-        minimums = self.minimums.view(blocks, -1, KERNEL_ROWS)
         block, row = ids // KERNEL_ROWS, ids % KERNEL_ROWS
         chunks = codes[block, :, row]  # [n, group and chunk, byte]: inputs 8 * chunk + byte (low), + 4 (high)
         nibbles = torch.stack([chunks & 0x0F, chunks >> 4], dim=-2)  # [n, group and chunk, nibble, byte]
         groups = nibbles.reshape(len(ids), scales.shape[1], GROUP).float()
-        values = groups * scales[block, :, row].float()[..., None] + minimums[block, :, row].float()[..., None]
-        return values.flatten(1)
+        scale = scales[block, :, row].float()[..., None]  # [n, group, 1]
+        if self.minimums is None:
+            offset = scale * -zero_code(4)
+        else:
+            offset = self.minimums.view(blocks, -1, KERNEL_ROWS)[block, :, row].float()[..., None]
+        return (groups * scale + offset).flatten(1)
 
 
 @dataclass(frozen=True)
 class Int5Weight:
-    """GGUF Q5_0 and Q5_1 matrices in their own 5-bit codes (GroupCodes of 5 bits, Q4_1's rule), for the W4A16
-    kernel (csrc/quantized_matmul_a16.cpp, w5a16_matmul): Int4Weight's interleaved nibbles of the low 4 bits and
-    its float16 scales and minimums, the high bit in a plane beside them (csrc/a16_formats.h). 24 bytes per 32
-    weights of a row, as Q5_1's 24, where Q5_0 has 22 (its minimum, -16 d, kept as a float16)."""
+    """GGUF Q5_0 and Q5_1 matrices in their own 5-bit codes (GroupCodes of 5 bits), for the W4A16 kernel
+    (csrc/quantized_matmul_a16.cpp, w5a16_matmul): Int4Weight's interleaved nibbles of the low 4 bits and its
+    float16 scales and minimums (Q5_1) or none (Q5_0: w = (code - 16) * scale), the high bit in a plane beside
+    them (csrc/a16_formats.h). 24 bytes per 32 weights of a row for Q5_1, 22 for Q5_0: the file's."""
 
     codes: torch.Tensor  # [blocks of 16 rows, in * 8] uint8: Int4Weight's layout
     high_bits: torch.Tensor  # [blocks, in * 2] uint8: per group and row, a 32-bit word (csrc/a16_formats.h)
     scales: torch.Tensor  # [blocks, groups * 16] float16
-    minimums: torch.Tensor  # [blocks, groups * 16] float16
+    minimums: torch.Tensor | None  # [blocks, groups * 16] float16, or None: w = (code - 16) * scale
     out_features: int
 
     @classmethod
     def from_codes(cls, codes: GroupCodes) -> Int5Weight:
         """The kernel's layout of 5-bit group codes (a file's Q5_0 / Q5_1 blocks)."""
-        if codes.bits != 5 or codes.minimums is None:
-            raise ValueError(f"Int5Weight takes 5-bit codes with minimums, got {codes.bits}-bit")
+        if codes.bits != 5:
+            raise ValueError(f"Int5Weight takes 5-bit codes, got {codes.bits}-bit")
         rows = codes.codes.shape[0]
-        packed, (scales, minimums) = kernel_layout(_nibble_chunks(codes.codes & 0x0F), [codes.scales, codes.minimums])
+        packed, (scales, *minimums) = kernel_layout(_nibble_chunks(codes.codes & 0x0F), _scales_and_minimums(codes))
         high_bits, _ = kernel_layout(packed_high_bits(codes.codes >> 4, 1).reshape(rows, -1, 1, 4), [])
-        return cls(packed, high_bits, scales, minimums, rows)
+        return cls(packed, high_bits, scales, minimums[0] if minimums else None, rows)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.high_bits, self.scales, self.minimums))
+        return sum(t.nbytes for t in (self.codes, self.high_bits, self.scales, self.minimums) if t is not None)
 
 
 SUPERBLOCK = 256  # inputs per super-block (GGUF's K-quants): 8 groups of 32

@@ -29,7 +29,8 @@ from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
                                     Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
                                     Int8ChannelWeight, Int8Weight, SuperblockCodes, int4_group_codes,
-                                    int8_group_codes)
+                                    int8_group_codes, zero_code)
+from tinyserve.loader.errors import ModelLoadError
 
 FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
 Decoder = Callable[[Any, Any], FileCodes]  # (fetched bytes, rows) -> codes
@@ -64,6 +65,11 @@ class StagedLinear:
     rows_left: int = field(init=False)  # of the weight, not written yet
     codes: FileCodes | None = None
     values: torch.Tensor | None = None
+    # 4 and 5 bits: whether a piece came with minimums (Q4_1, Q5_1, float rows); if none did (Q4_0, Q5_0), the
+    # format holds none (the symmetric rule), else the others' are written beside them as -zero_code * scale,
+    # which overflows float16 for a scale over 65504 / zero_code (has_overflowing_minimums)
+    has_minimums: bool = False
+    has_overflowing_minimums: bool = False
 
     def __post_init__(self):
         self.rows_left = self.shape[0]
@@ -121,6 +127,10 @@ class StagedLinear:
         if self.values is not None:
             self.values[row:stop].copy_(piece)
         else:
+            if isinstance(piece, GroupCodes) and piece.bits != 8:
+                self.has_minimums |= piece.minimums is not None
+                piece = piece.with_minimums()
+                self.has_overflowing_minimums |= bool((piece.minimums.isinf() & piece.scales.isfinite()).any())
             for part in dataclasses.fields(piece):  # codes, scales, ...; a GroupCodes' bits and absent minimums
                 value = getattr(piece, part.name)
                 if isinstance(value, torch.Tensor):
@@ -138,11 +148,24 @@ class StagedLinear:
         if self.values is not None:
             weight, _ = Int8ChannelWeight.quantize(self.values)
         else:
-            weight = self.fmt.from_codes(self.codes)
+            weight = self.fmt.from_codes(self._symmetric_or_checked(self.codes))
             if not self.int8_inputs and self.fmt in (Int4Weight, Int8Weight):  # the others are W4A16 alone
                 weight = dataclasses.replace(weight, int8_inputs=False)
         self.codes = self.values = None
         return weight
+
+    def _symmetric_or_checked(self, codes: FileCodes) -> FileCodes:
+        """4- or 5-bit codes without minimums where no piece had them; else with them, if every one is finite."""
+        if not isinstance(codes, GroupCodes) or codes.bits == 8:
+            return codes
+        if not self.has_minimums:
+            return dataclasses.replace(codes, minimums=None)
+        if self.has_overflowing_minimums:
+            zero = zero_code(codes.bits)
+            raise ModelLoadError(f"a matrix merging Q{codes.bits}_0 shards with others (held with float16 "
+                                 f"minimums) has a Q{codes.bits}_0 scale over {65504 // zero}: its minimum "
+                                 f"-{zero} * d overflows")
+        return codes
 
 
 @dataclass

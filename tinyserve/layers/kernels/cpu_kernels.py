@@ -170,13 +170,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _named("tinyserve::silu_and_mul", load().silu_and_mul, x)
 
 
-def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
                 out_features: int) -> torch.Tensor:
-    """x [tokens, in] bfloat16 times an int4 weight in layers/quant.py's layout -> [tokens, out]."""
+    """x [tokens, in] bfloat16 times an int4 weight in layers/quant.py's layout -> [tokens, out]; minimums None:
+    w = (code - 8) * scale (a GGUF Q4_0's)."""
     return _named("tinyserve::int4_matmul", load().int4_matmul, x, codes, scales, minimums, out_features)
 
 
-def w4a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+def w4a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
     """int4_matmul with x unrounded: each weight widened to float32, float32 sums (csrc/quantized_matmul_a16.cpp)."""
     return _named("tinyserve::w4a16_matmul", load().w4a16_matmul, x, codes, scales, minimums, out_features)
@@ -196,9 +197,10 @@ def w4a16_superblock_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tenso
 
 
 def w5a16_matmul(x: torch.Tensor, codes: torch.Tensor, high_bits: torch.Tensor, scales: torch.Tensor,
-                 minimums: torch.Tensor, out_features: int) -> torch.Tensor:
+                 minimums: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [tokens, in] float32 or bfloat16, unrounded, times a GGUF Q5_0 / Q5_1 weight in layers/quant.py's
-    Int5Weight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp)."""
+    Int5Weight layout -> [tokens, out] (csrc/quantized_matmul_a16.cpp); minimums None: w = (code - 16) * scale
+    (Q5_0's)."""
     return _named("tinyserve::w5a16_matmul", load().w5a16_matmul, x, codes, high_bits, scales, minimums, out_features)
 
 

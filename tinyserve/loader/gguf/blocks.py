@@ -4,12 +4,12 @@ few integer ops per weight instead of a dequantization and a second quantization
 
 ggml's blocks, 32 weights each, rows of whole blocks:
 - Q4_0 (18 bytes): float16 d, then 16 bytes of 4-bit codes q (weight j in byte j's low nibble, weight j + 16
-  in its high nibble); w = (q - 8) * d. As Q4_1's rule that is scale d and minimum -8 * d, both exact in
-  float16 (a power-of-two multiple), and the kernels' code * d + (-8 * d) rounds once to the exact (q - 8) * d.
-- Q4_1 (20 bytes): float16 d and m, then the codes as Q4_0's; w = q * d + m: our Int4Weight's own rule.
+  in its high nibble); w = (q - 8) * d: GroupCodes' symmetric rule (scale d, no minimums). The kernels'
+  q * d + (-8 * d), in float32, is exact: (q - 8) * d.
+- Q4_1 (20 bytes): float16 d and m, then the codes as Q4_0's; w = q * d + m: GroupCodes' rule with minimums.
 - Q5_0 (22 bytes) and Q5_1 (24 bytes): Q4_0's and Q4_1's, with 4 bytes qh (a little-endian word: bit j the high
-  bit of weight j) before the 16 bytes of low 4 bits; w = (q - 16) * d (scale d, minimum -16 * d: exact, and so
-  is the kernels' q * d - 16 * d) or q * d + m, q 0..31.
+  bit of weight j) before the 16 bytes of low 4 bits; w = (q - 16) * d (no minimums: the kernels' q * d - 16 * d
+  is exact) or q * d + m, q 0..31.
 - Q8_0 (34 bytes): float16 d, then 32 int8 codes; w = q * d. Our Int8Weight stores q + 128 in a byte,
   which is q's bits with the sign bit flipped.
 
@@ -36,17 +36,16 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6SuperblockCodes, SuperblockCodes
-from tinyserve.loader.errors import ModelLoadError
 
 # each type converted here -> the bits of the group codes it becomes
 CODE_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q5_0: 5,
              GGMLQuantizationType.Q5_1: 5, GGMLQuantizationType.Q8_0: 8}
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q5_0: 22,
                 GGMLQuantizationType.Q5_1: 24, GGMLQuantizationType.Q8_0: 34}
-_WITH_MINIMUMS = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}  # the others' minimum: -2^(bits - 1) d
+_WITH_MINIMUMS = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}  # the others: w = (q - 2^(bits - 1)) d
 
 
-def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes:
+def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes:
     """data: the tensor's rows as bytes, uint8 [rows, bytes per row] (GGUFTensor.data or rows of it) -> the
     group codes of the same rows."""
     rows = data.shape[0]
@@ -55,15 +54,9 @@ def group_codes(name: str, tensor_type: GGMLQuantizationType, data: np.ndarray) 
     if tensor_type == GGMLQuantizationType.Q8_0:
         words = blocks[..., 2:].contiguous().view(torch.int32)
         return GroupCodes(8, _bytes(words ^ _per_byte(0x80), rows), scales, None)  # int8 q -> q + 128
-    bits, at = CODE_BITS[tensor_type], 2
+    bits, at, minimums = CODE_BITS[tensor_type], 2, None
     if tensor_type in _WITH_MINIMUMS:
         minimums, at = _halves(blocks[..., 2:4]), 4
-    else:
-        offset = 1 << (bits - 1)
-        minimums = (scales.float() * -offset).to(torch.float16)
-        if not bool(torch.isfinite(minimums).all()) and bool(torch.isfinite(scales).all()):
-            raise ModelLoadError(f"tensor {name!r}: a {tensor_type.name} scale over {65504 // offset} has no float16 "
-                                 f"minimum (-{offset} * d)")
     qh_bytes = 4 if bits == 5 else 0
     # weights 0..15 in the low nibbles of the 16 bytes, then 16..31 in the high ones; on 4-byte words (a fourth
     # of the elements of a byte-wise pass: it was most of a Q4_0 model's load time)

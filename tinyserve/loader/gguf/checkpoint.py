@@ -311,4 +311,4 @@ def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray, r
     convert: bytes -> codes of another kind (blocks.SUPERBLOCK_CODES: a K-quant's)."""
     if num_heads is not None:
         data = _unpermute_rope_rows(data, num_heads)
-    return group_codes(tensor.name, tensor.tensor_type, data) if convert is None else convert(data)
+    return group_codes(tensor.tensor_type, data) if convert is None else convert(data)

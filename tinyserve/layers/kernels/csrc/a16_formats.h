@@ -101,16 +101,20 @@ struct HighPlane {
 // kBits, the bits of the stored codes (a nibble or a byte), kHighBits, those of the high plane (0: none, else
 // high(g, s, p) reads span s of it: HighPlane::get). at(b, groups): the same for block b of a weight with
 // `groups` groups per row.
-struct Int4Groups {  // Int4Weight (Q4_1's rule): float16 scale and minimum per group and row
+// Int4Weight: float16 scale per group and row, and either a float16 minimum (Q4_1's rule) or none (GGUF Q4_0's
+// w = (code - 8) * scale: offset = -8 * scale, exact in float32, so w is the same bits as with the minimum -8 d
+// stored, which is exact in float16 where it does not overflow).
+struct Int4Groups {
   static constexpr int kBits = 4, kHighBits = 0, kScales = 1;
   const at::Half* scales;
-  const at::Half* minimums;
+  const at::Half* minimums;  // nullptr: none, offset = -zero_code * scale
+  float zero_code;           // without minimums, the code that stands for 0: 8 (Int5Weight's: 16)
   Int4Groups at(int64_t b, int64_t groups) const {
-    return {scales + b * groups * kRows, minimums + b * groups * kRows};
+    return {scales + b * groups * kRows, minimums == nullptr ? nullptr : minimums + b * groups * kRows, zero_code};
   }
   void get(int64_t g, int, int p, lanes& scale, lanes& offset) const {
     scale = load_halves(scales + g * kRows + p * kWidth);
-    offset = load_halves(minimums + g * kRows + p * kWidth);
+    offset = minimums == nullptr ? scale * -zero_code : load_halves(minimums + g * kRows + p * kWidth);
   }
 };
 
@@ -146,8 +150,7 @@ struct SuperblockGroups {
 };
 
 // Int5Weight (GGUF Q5_0 and Q5_1): Int4Weight's scales and minimums, 5-bit codes. Q5_1's w = q * d + m
-// rounds once, as ggml's; Q5_0's minimum is -16 d (exact in float16), and q * d + (-16 d) is exact, ggml's
-// (q - 16) * d.
+// rounds once, as ggml's; Q5_0 stores no minimum (zero_code 16): q * d + (-16 d) is exact, ggml's (q - 16) * d.
 struct Int5Groups {
   static constexpr int kBits = 4, kHighBits = 1, kScales = 1;
   Int4Groups low;

@@ -13,7 +13,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
 void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                          const torch::Tensor& minimums, int64_t out_features);
+                          const std::optional<torch::Tensor>& minimums, int64_t out_features);
 torch::Tensor bf16_matmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features);
 torch::Tensor f32_matmul(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -22,14 +22,15 @@ torch::Tensor int8_channel_matmul(const torch::Tensor& x, const torch::Tensor& c
                                   int64_t out_features);
 torch::Tensor row_argmax(const torch::Tensor& logits);
 torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const torch::Tensor& minimums, int64_t out_features);
+                           const std::optional<torch::Tensor>& minimums, int64_t out_features);
 torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            int64_t out_features);
 torch::Tensor w4a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                                       const torch::Tensor& dmin, const torch::Tensor& sub_scales,
                                       const torch::Tensor& sub_mins, int64_t out_features);
 torch::Tensor w5a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& high_bits,
-                           const torch::Tensor& scales, const torch::Tensor& minimums, int64_t out_features);
+                           const torch::Tensor& scales, const std::optional<torch::Tensor>& minimums,
+                           int64_t out_features);
 torch::Tensor w5a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes,
                                       const torch::Tensor& high_bits, const torch::Tensor& d,
                                       const torch::Tensor& dmin, const torch::Tensor& sub_scales,
@@ -50,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
   m.def("rotary_", &rotary_, "q, k = x * cos + rotate_half(x) * sin, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("int4_matmul", &int4_matmul, "x times an int4 weight (groups of 32, float16 scale and minimum)");
+  m.def("int4_matmul", &int4_matmul,
+        "x times an int4 weight (groups of 32, float16 scale and minimum, or none: (code - 8) * scale)");
   m.def("bf16_matmul", &bf16_matmul, "x times a bfloat16 weight interleaved by 16 rows");
   m.def("f32_matmul", &f32_matmul, "x times a plain [out, in] float32 weight, for steps of a few tokens");
   m.def("int8_matmul", &int8_matmul, "x times an int8 weight (groups of 32, float16 scale)");
@@ -63,7 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_superblock_matmul", &w4a16_superblock_matmul,
         "x times a GGUF Q4_K weight (super-blocks of 256: d, dmin, 6-bit scales and mins), x as it is");
   m.def("w5a16_matmul", &w5a16_matmul,
-        "x times a GGUF Q5_0 / Q5_1 weight (5-bit codes, groups of 32: scale and minimum), x as it is");
+        "x times a GGUF Q5_0 / Q5_1 weight (5-bit codes, groups of 32: scale and minimum, or none (Q5_0): "
+        "(code - 16) * scale), x as it is");
   m.def("w5a16_superblock_matmul", &w5a16_superblock_matmul,
         "x times a GGUF Q5_K weight (5-bit codes, Q4_K's super-block scales), x as it is");
   m.def("w6a16_superblock_matmul", &w6a16_superblock_matmul,

@@ -17,7 +17,9 @@
 //                 byte j holds the code (0..15) of input 8c + j in its low nibble, 8c + 4 + j in its high;
 //           int8: 8 chunks of 64 bytes; in chunk c, bytes 4l + j hold row l's code of input 4c + j, plus
 //                 128 (the instruction multiplies unsigned by signed bytes);
-//   scales  [blocks, G * 16] float16, the 16 rows' scales of group g side by side; minimums (int4) alike.
+//   scales  [blocks, G * 16] float16, the 16 rows' scales of group g side by side; minimums (int4) alike, or
+//           none (GGUF Q4_0's rule, w = (code - 8) * scale): then the minimum is -8 * scale, computed in
+//           float32, exact, so the output is the same bits as with that minimum stored.
 // With the inputs x[t, g] ~ x_scale[t, g] * xq[t, g] (int8):
 //   out[t, n] = sum_g scale[n, g] * x_scale[t, g] * (codes[n, g] . xq[t, g]) (+ minimum[n, g] * sum(x[t, g])),
 // where the sums of x are exact (float32), so a group's minimum adds no rounding of its own.
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -137,6 +140,8 @@ struct QuantizedInputs {
 template <int Bits>
 constexpr int64_t group_bytes() { return kGroup * kRows * Bits / 8; }
 
+constexpr float kInt4ZeroCode = 8.f;  // int4 without minimums: w = (code - 8) * scale
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 inline __m512 load_halves(const at::Half* p) {
@@ -174,11 +179,12 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
         dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(128 * in.value_sums[(t0 + t) * in.groups + g]));
     }
     const __m512 scale = load_halves(scales + g * kRows);
+    const __m512 minimum = minimums == nullptr ? _mm512_mul_ps(scale, _mm512_set1_ps(-kInt4ZeroCode))
+                                               : load_halves(minimums + g * kRows);  // int4's alone
     for (int t = 0; t < T; ++t) {
       const int64_t tg = (t0 + t) * in.groups + g;
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(scale, _mm512_set1_ps(in.scales[tg])), acc[t]);
-      if constexpr (Bits == 4)
-        acc[t] = _mm512_fmadd_ps(load_halves(minimums + g * kRows), _mm512_set1_ps(in.sums[tg]), acc[t]);
+      if constexpr (Bits == 4) acc[t] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(in.sums[tg]), acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
@@ -224,13 +230,14 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
           }
         }
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kRows + 8 * h)));
+        const __m256 minimum =  // int4's alone
+            minimums == nullptr
+                ? _mm256_mul_ps(scale, _mm256_set1_ps(-kInt4ZeroCode))
+                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + g * kRows + 8 * h)));
         for (int t = 0; t < T; ++t) {  // the same float steps as the AVX512 path
           const int64_t tg = (t0 + t) * in.groups + g;
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(scale, _mm256_set1_ps(in.scales[tg])), acc[t]);
-          if constexpr (Bits == 4) {
-            const auto* minimum = reinterpret_cast<const __m128i*>(minimums + g * kRows + 8 * h);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(minimum)), _mm256_set1_ps(in.sums[tg]), acc[t]);
-          }
+          if constexpr (Bits == 4) acc[t] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(in.sums[tg]), acc[t]);
         }
       }
       for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + t * kRows + 8 * h, acc[t]);
@@ -259,8 +266,13 @@ void block(const uint8_t* codes, const at::Half* scales, const at::Half* minimum
           }
         }
         const int64_t tg = (t0 + t) * in.groups + g;
-        total += static_cast<float>(scales[g * kRows + l]) * in.scales[tg] * dot;
-        if constexpr (Bits == 4) total += static_cast<float>(minimums[g * kRows + l]) * in.sums[tg];
+        const float scale = static_cast<float>(scales[g * kRows + l]);
+        total += scale * in.scales[tg] * dot;
+        if constexpr (Bits == 4) {
+          const float minimum =
+              minimums == nullptr ? scale * -kInt4ZeroCode : static_cast<float>(minimums[g * kRows + l]);
+          total += minimum * in.sums[tg];
+        }
       }
       out[t * kRows + l] = total;
     }
@@ -303,12 +315,14 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
 
 }  // namespace
 
+// minimums: none for GGUF Q4_0's rule, w = (code - 8) * scale.
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                          const torch::Tensor& minimums, int64_t out_features) {
-  TORCH_CHECK(minimums.device().is_cpu() && minimums.scalar_type() == at::kHalf && minimums.is_contiguous() &&
-                  minimums.sizes() == scales.sizes(),
+                          const std::optional<torch::Tensor>& minimums, int64_t out_features) {
+  if (!minimums.has_value()) return matmul<4>("int4_matmul", x, codes, scales, nullptr, out_features);
+  TORCH_CHECK(minimums->device().is_cpu() && minimums->scalar_type() == at::kHalf && minimums->is_contiguous() &&
+                  minimums->sizes() == scales.sizes(),
               "int4_matmul: minimums float16, contiguous, shaped as the scales");
-  return matmul<4>("int4_matmul", x, codes, scales, minimums.data_ptr<at::Half>(), out_features);
+  return matmul<4>("int4_matmul", x, codes, scales, minimums->data_ptr<at::Half>(), out_features);
 }
 
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,

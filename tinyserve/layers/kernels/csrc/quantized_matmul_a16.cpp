@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 // Not -ffast-math here: it lets the compiler regroup a lane's chain of sums (for more instructions in
 // flight), and it regrouped them differently for one token than for eight, which made a token's output
@@ -284,12 +285,13 @@ torch::Tensor matmul(const char* name, const torch::Tensor& x, const torch::Tens
   return out;
 }
 
-// The readers of a weight's parts, each checked against x's shape.
+// The readers of a weight's parts, each checked against x's shape. No minimums: w = (code - zero_code) * scale.
 Int4Groups int4_groups(const char* name, const Shape& shape, const torch::Tensor& scales,
-                       const torch::Tensor& minimums) {
+                       const std::optional<torch::Tensor>& minimums, float zero_code) {
   check_part(name, "scales", scales, at::kHalf, shape.blocks, shape.groups * kRows);
-  check_part(name, "minimums", minimums, at::kHalf, shape.blocks, shape.groups * kRows);
-  return {scales.data_ptr<at::Half>(), minimums.data_ptr<at::Half>()};
+  if (!minimums.has_value()) return {scales.data_ptr<at::Half>(), nullptr, zero_code};
+  check_part(name, "minimums", *minimums, at::kHalf, shape.blocks, shape.groups * kRows);
+  return {scales.data_ptr<at::Half>(), minimums->data_ptr<at::Half>(), zero_code};
 }
 
 void check_superblocks(const char* name, const Shape& shape) {
@@ -317,10 +319,10 @@ HighPlane<HighBits> high_plane(const char* name, const Shape& shape, const torch
 }  // namespace
 
 torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const torch::Tensor& minimums, int64_t out_features) {
+                           const std::optional<torch::Tensor>& minimums, int64_t out_features) {
   const char* name = "w4a16_matmul";
   const Shape shape = check_x(name, x, out_features);
-  return matmul(name, x, codes, int4_groups(name, shape, scales, minimums), out_features);
+  return matmul(name, x, codes, int4_groups(name, shape, scales, minimums, 8.f), out_features);
 }
 
 torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -340,11 +342,12 @@ torch::Tensor w4a16_superblock_matmul(const torch::Tensor& x, const torch::Tenso
 }
 
 torch::Tensor w5a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& high_bits,
-                           const torch::Tensor& scales, const torch::Tensor& minimums, int64_t out_features) {
+                           const torch::Tensor& scales, const std::optional<torch::Tensor>& minimums,
+                           int64_t out_features) {
   const char* name = "w5a16_matmul";
   const Shape shape = check_x(name, x, out_features);
   return matmul(name, x, codes,
-                Int5Groups{int4_groups(name, shape, scales, minimums), high_plane<1>(name, shape, high_bits)},
+                Int5Groups{int4_groups(name, shape, scales, minimums, 16.f), high_plane<1>(name, shape, high_bits)},
                 out_features);
 }
 
