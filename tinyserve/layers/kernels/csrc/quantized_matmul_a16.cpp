@@ -172,6 +172,7 @@ void fused_blocks(const uint8_t* const* codes, const Groups* groups, const float
               high[r][p] = Plane::codes(bytes >> 4, plane, c % Plane::kSpanChunks, 1);
             }
           }
+#pragma GCC unroll 8
         for (int i = 0; i < kPerChunk; ++i) {
           float xv[T];
           for (int t = 0; t < T; ++t) xv[t] = x[t * k + g * kGroup + kPerChunk * c + i];
