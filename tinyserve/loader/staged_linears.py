@@ -25,11 +25,11 @@ from torch import nn
 
 from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
-from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
                                     Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
                                     Int8ChannelWeight, Int8Weight, SuperblockCodes, int4_group_codes,
                                     int8_group_codes, zero_code)
+from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.loader.errors import ModelLoadError
 
 FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
