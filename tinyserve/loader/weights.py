@@ -182,7 +182,7 @@ def file_superblock_bits(matches: list[Match]) -> dict[nn.Module, int]:
     """The modules whose `weight` the file stores all in super-blocks of one K-quant type that converts to a
     format's codes (TensorSource.decode_superblocks), each tensor read whole for this rank -> its bits (Q4_K: 4,
     Q5_K: 5, Q6_K: 6)."""
-    held = _by_owner(matches, lambda source: source.stored_bits if source.decode_superblocks is not None else None)
+    held = _by_owner(matches, _superblock_bits)
     return {owner: bits for owner, bits in held.items() if bits is not None}
 
 
@@ -190,20 +190,23 @@ def file_shard_bits(matches: list[Match]) -> dict[nn.Module, list[ShardBits]]:
     """The merged linears whose projections the file stores in different types (each read whole for this rank)
     -> each projection's ShardBits, first rows first (loader/staged_linears.py holds each run in its format)."""
     shards: dict[nn.Module, list[ShardBits]] = {}
+    partial = set()  # merged linears with a shard not read whole here (tensor parallel) or not from a file
     for match in matches:
         source = match.produce if isinstance(match.produce, TensorSource) else None
         if match.owner is None or not isinstance(match.linear, MergedLinear):
             continue
         if source is None or match.part is not None:
-            shards[match.owner] = None
+            partial.add(match.owner)
             continue
-        if match.owner in shards and shards[match.owner] is None:
-            continue
-        superblock_bits = source.stored_bits if source.decode_superblocks is not None else None
         shards.setdefault(match.owner, []).append(
-            ShardBits(match.linear_row, match.target.shape[0], source.code_bits, superblock_bits))
+            ShardBits(match.linear_row, match.target.shape[0], source.code_bits, _superblock_bits(source)))
     return {owner: sorted(bits, key=lambda b: b.first_row) for owner, bits in shards.items()
-            if bits is not None and len({(b.code_bits, b.superblock_bits) for b in bits}) > 1}
+            if owner not in partial and len({(b.code_bits, b.superblock_bits) for b in bits}) > 1}
+
+
+def _superblock_bits(source: TensorSource) -> int | None:
+    """The bits of the K-quant a source's tensor is stored in where its super-blocks convert to a format's codes."""
+    return source.stored_bits if source.decode_superblocks is not None else None
 
 
 def _by_owner(matches: list[Match], key: Callable[[TensorSource], Any]) -> dict[nn.Module, Any]:

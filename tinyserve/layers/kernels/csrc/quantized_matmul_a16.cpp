@@ -59,42 +59,52 @@ inline lanes widened(ulanes code, lanes scale, lanes offset) {
   return __builtin_convertvector(reinterpret_cast<ilanes>(code), lanes) * scale + offset;
 }
 
+// A chunk of a group's codes (int4: 8 inputs, int8: 4) for part p of a block's rows, as read from memory once:
+// `low` and `high` hold every input's code, which code(i) shifts and masks out (lane l: row p * kWidth + l).
+template <class Groups>
+struct Chunk {
+  static constexpr int Bits = Groups::kBits, HighBits = Groups::kHighBits;
+  static constexpr int kCount = Bits == 4 ? 4 : 8, kInputs = Bits == 4 ? 8 : 4;  // chunks a group, inputs a chunk
+  static constexpr int kPerScale = kCount / Groups::kScales;
+  ulanes low, high;  // wide codes: byte k of each holds input 8c + k's (8c + 4 + k's) code; else both the bytes
+
+  Chunk() = default;
+  // Chunk c of group g of a block (its codes from `codes`, its high plane from `groups`).
+  Chunk(const uint8_t* codes, const Groups& groups, int64_t g, int c, int p) {
+    ulanes bytes;  // lane l: row (p * kWidth + l)'s 4 bytes of chunk c
+    __builtin_memcpy(&bytes, codes + g * group_bytes<Bits>() + c * 64 + p * kWidth * 4, sizeof(bytes));
+    low = high = bytes;
+    if constexpr (HighBits > 0) {
+      using Plane = HighPlane<HighBits>;
+      const ulanes plane = groups.high(g, c / Plane::kSpanChunks, p);
+      low = Plane::codes(bytes, plane, c % Plane::kSpanChunks, 0);
+      high = Plane::codes(bytes >> 4, plane, c % Plane::kSpanChunks, 1);
+    }
+  }
+
+  // Input i's codes (int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: input 4c + i).
+  ulanes code(int i) const {
+    if constexpr (HighBits > 0) return ((i < 4 ? low : high) >> (8 * (i % 4))) & 0xff;
+    return (low >> (Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i)) & (Bits == 4 ? 0x0fu : 0xffu);
+  }
+};
+
 // Groups g0 .. g0 + count - 1 of a block, widened: w[j * kParts + p] = part p of the rows' weights of input
 // g0 * 32 + j.
 template <class Groups>
 void widen(const uint8_t* codes, const Groups& groups, int64_t g0, int64_t count, lanes* w) {
-  constexpr int Bits = Groups::kBits, HighBits = Groups::kHighBits;
-  constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
-  constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
-  constexpr int kChunksPerScale = kChunks / Groups::kScales;
-  for (int64_t g = g0; g < g0 + count; ++g) {
-    const uint8_t* group = codes + g * group_bytes<Bits>();
+  using C = Chunk<Groups>;
+  for (int64_t g = g0; g < g0 + count; ++g)
     for (int p = 0; p < kParts; ++p)
       for (int h = 0; h < Groups::kScales; ++h) {
         lanes scale, offset;
         groups.get(g, h, p, scale, offset);
-        for (int c = h * kChunksPerScale; c < (h + 1) * kChunksPerScale; ++c) {
-          ulanes bytes;  // lane l: row (p * kWidth + l)'s 4 bytes of chunk c
-          __builtin_memcpy(&bytes, group + c * 64 + p * kWidth * 4, sizeof(bytes));
-          ulanes low = bytes, high = bytes;  // wide codes: byte k of each holds input 8c + k's (8c + 4 + k's) code
-          if constexpr (HighBits > 0) {
-            using Plane = HighPlane<HighBits>;
-            const ulanes plane = groups.high(g, c / Plane::kSpanChunks, p);
-            low = Plane::codes(bytes, plane, c % Plane::kSpanChunks, 0);
-            high = Plane::codes(bytes >> 4, plane, c % Plane::kSpanChunks, 1);
-          }
-          for (int i = 0; i < kPerChunk; ++i) {  // int4: input 8c + i, byte i % 4's low nibble for i < 4; int8: 4c + i
-            ulanes code;
-            if constexpr (HighBits > 0)
-              code = ((i < 4 ? low : high) >> (8 * (i % 4))) & 0xff;
-            else
-              code = (bytes >> (Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i)) & kMask;
-            w[((g - g0) * kGroup + kPerChunk * c + i) * kParts + p] =
-                widened(code, scale, offset);
-          }
+        for (int c = h * C::kPerScale; c < (h + 1) * C::kPerScale; ++c) {
+          const C chunk(codes, groups, g, c, p);
+          for (int i = 0; i < C::kInputs; ++i)
+            w[((g - g0) * kGroup + C::kInputs * c + i) * kParts + p] = widened(chunk.code(i), scale, offset);
         }
       }
-  }
 }
 
 // T tokens (the first t0) times `inputs` widened weights from input i0: sum[t * 16 + l] += x . w, in input order.
@@ -144,10 +154,7 @@ void block(const uint8_t* codes, const Groups& scales, const float* x, int64_t k
 // token's output has the same bits either way (tests/test_quant.py checks it).
 template <int T, int R, class Groups>
 void fused_blocks(const uint8_t* const* codes, const Groups* groups, const float* x, int64_t k, float* const* sums) {
-  constexpr int Bits = Groups::kBits, HighBits = Groups::kHighBits;
-  constexpr uint32_t kMask = Bits == 4 ? 0x0f : 0xff;
-  constexpr int kChunks = Bits == 4 ? 4 : 8, kPerChunk = Bits == 4 ? 8 : 4;
-  constexpr int kChunksPerScale = kChunks / Groups::kScales;
+  using C = Chunk<Groups>;
   lanes acc[T][R][kParts];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r)
@@ -158,32 +165,17 @@ void fused_blocks(const uint8_t* const* codes, const Groups* groups, const float
       lanes scale[R][kParts], offset[R][kParts];
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < kParts; ++p) groups[r].get(g, h, p, scale[r][p], offset[r][p]);
-      for (int c = h * kChunksPerScale; c < (h + 1) * kChunksPerScale; ++c) {
-        ulanes low[R][kParts], high[R][kParts];
+      for (int c = h * C::kPerScale; c < (h + 1) * C::kPerScale; ++c) {
+        C chunk[R][kParts];
         for (int r = 0; r < R; ++r)
-          for (int p = 0; p < kParts; ++p) {
-            ulanes bytes;
-            __builtin_memcpy(&bytes, codes[r] + g * group_bytes<Bits>() + c * 64 + p * kWidth * 4, sizeof(bytes));
-            low[r][p] = high[r][p] = bytes;
-            if constexpr (HighBits > 0) {
-              using Plane = HighPlane<HighBits>;
-              const ulanes plane = groups[r].high(g, c / Plane::kSpanChunks, p);
-              low[r][p] = Plane::codes(bytes, plane, c % Plane::kSpanChunks, 0);
-              high[r][p] = Plane::codes(bytes >> 4, plane, c % Plane::kSpanChunks, 1);
-            }
-          }
+          for (int p = 0; p < kParts; ++p) chunk[r][p] = C(codes[r], groups[r], g, c, p);
 #pragma GCC unroll 8
-        for (int i = 0; i < kPerChunk; ++i) {
+        for (int i = 0; i < C::kInputs; ++i) {
           float xv[T];
-          for (int t = 0; t < T; ++t) xv[t] = x[t * k + g * kGroup + kPerChunk * c + i];
+          for (int t = 0; t < T; ++t) xv[t] = x[t * k + g * kGroup + C::kInputs * c + i];
           for (int r = 0; r < R; ++r)
             for (int p = 0; p < kParts; ++p) {
-              ulanes code;
-              if constexpr (HighBits > 0)
-                code = ((i < 4 ? low[r][p] : high[r][p]) >> (8 * (i % 4))) & 0xff;
-              else
-                code = (low[r][p] >> (Bits == 4 ? 8 * (i % 4) + 4 * (i / 4) : 8 * i)) & kMask;
-              const lanes w = widened(code, scale[r][p], offset[r][p]);
+              const lanes w = widened(chunk[r][p].code(i), scale[r][p], offset[r][p]);
               for (int t = 0; t < T; ++t) acc[t][r][p] += xv[t] * w;
             }
         }
