@@ -36,7 +36,9 @@ def test_completions_timings_usage_and_concurrency_limit():
     assert body["max_tokens"] == 8 and body["model"] == "fake-model" and body["prompt"].startswith("prompt number")
     assert 20 <= m.ttft_ms.median < 1000  # lower bounds are the fake server's sleeps; upper ones are loose
     assert 2 <= m.itl_ms.median < 100 and m.itl_ms.count == 24 * 7
-    assert m.tpot_ms.median == pytest.approx(m.itl_ms.mean, rel=0.5)
+    for r in run.results:  # TPOT spans the gaps and the tail after the last token ([DONE]); sleeps make no bound
+        tail = r.tpot * (r.num_output_tokens - 1) - sum(r.itls)
+        assert 0 <= tail + 1e-9 and tail < 0.5
     assert all(r.text == " tok" * 8 and r.finish_reason == "length" for r in run.results)
     record = run_record(run)
     assert json.loads(json.dumps(record))["config"]["request_rate"] == "inf"
