@@ -23,9 +23,12 @@
 
 #include "float_types.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -42,55 +45,121 @@ struct Shape {
 
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
-// D is a template parameter so that the per-row loops have a fixed trip count and vectorize. KV is the
-// pool's element type: T, or int8_t with key_scale / value_scale (one per row), which are null otherwise.
+// 8 floats, an AVX2 register (AVX-512 machines run the same lanes, so the sums are the same on both), loadable
+// from any float's address. A row of head_dim D is D / 8 of them (D >= 16).
+constexpr int kLanes = 8;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
+
+inline Lanes load_lanes(const float* p) { return *reinterpret_cast<const Lanes*>(p); }
+
+// A pair: 16 elements of a pool row widened to two Lanes of float32 (exact). A float32 or int8 row keeps its
+// order (int8: a sign-extension and a conversion a Lanes). A bfloat16 row does not: bfloat16 is float32's top
+// half, so each 32-bit word of two elements gives its even one by a shift and its odd one by a mask, 8 + 8 in
+// two instructions and no shuffle; the pair's first Lanes holds its elements 0, 2, .., 14 and the second 1, 3,
+// .., 15. pair_source says where element j of a widened row came from: the query is laid out in that order
+// before its dots, and each head's output taken back out of it.
+inline void load_pair(const float* p, Lanes& first, Lanes& second) {
+  first = load_lanes(p);
+  second = load_lanes(p + kLanes);
+}
+inline void load_pair(const int8_t* p, Lanes& first, Lanes& second) {
+#if defined(__AVX2__)
+  first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kLanes))));
+#else
+  for (int l = 0; l < kLanes; ++l) first[l] = static_cast<float>(p[l]), second[l] = static_cast<float>(p[kLanes + l]);
+#endif
+}
+inline void load_pair(const c10::BFloat16* p, Lanes& first, Lanes& second) {
+#if defined(__AVX2__)
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  first = reinterpret_cast<Lanes>(_mm256_slli_epi32(words, 16));
+  second = reinterpret_cast<Lanes>(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+#else
+  for (int l = 0; l < kLanes; ++l) first[l] = to_float(p[2 * l]), second[l] = to_float(p[2 * l + 1]);
+#endif
+}
+template <typename KV>
+inline int pair_source(int j) {
+  if constexpr (!std::is_same_v<KV, c10::BFloat16>) return j;
+  const int w = j % (2 * kLanes);
+  return j - w + (w < kLanes ? 2 * w : 2 * (w - kLanes) + 1);
+}
+
+inline float sum_lanes(Lanes v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+  typedef float Half __attribute__((vector_size(16)));
+  Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  h += __builtin_shufflevector(h, h, 2, 3, 0, 1);
+  return h[0] + h[1];
+}
+
+// Accumulators a V pass keeps in registers: up to this many Lanes of one query head's output at a time.
+constexpr int kChunk = 8;
+
+// D is a template parameter so that a row is a fixed number of Lanes. KV is the pool's element type: T, or
+// int8_t with key_scale / value_scale (one per row), which are null otherwise.
+//
+// A job is (sequence, kv head). K pass: each K row is widened once into registers and dotted with the group's
+// query heads (two accumulators a dot). Softmax over each head's scores. V pass, block by block: the block's
+// rows are widened into an L1 scratch once, then each head's output, kChunk Lanes at a time, stays in
+// registers over the block's rows (one broadcast weight a row and head, one FMA a Lanes).
 template <typename T, typename KV, int D>
 void decode_attention(const T* q, const KV* key, const KV* value, const at::Half* key_scale,
                       const at::Half* value_scale, const int64_t* tables, const int64_t* seq_lens, T* out,
                       const Shape& s) {
+  static_assert(D % (2 * kLanes) == 0, "a row is an even number of Lanes");
+  constexpr int kRowLanes = D / kLanes;
+  constexpr int kChunkLanes = kRowLanes < kChunk ? kRowLanes : kChunk;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t num_jobs = s.num_seqs * s.num_kv_heads;
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_jobs);
   // Sequences come longest first; jobs are dealt round-robin so that each thread gets long and short ones
   // (parallel_for's contiguous ranges would give one thread all the long ones).
   at::parallel_for(0, num_threads, 1, [&](int64_t first_thread, int64_t last_thread) {
-    std::vector<float> scores, query(group * D), acc(group * D), inv_sum(group);
+    std::vector<float> scores, query(group * D), acc(group * D), inv_sum(group), rows(s.block_size * D),
+        weights(s.block_size);
     for (int64_t thread = first_thread; thread < last_thread; ++thread) {
       for (int64_t job = thread; job < num_jobs; job += num_threads) {
         const int64_t seq = job / s.num_kv_heads, kv_head = job % s.num_kv_heads, end = seq_lens[seq];
         const int64_t begin = s.first_key(end), len = end - begin;  // keys begin .. end - 1, as t = 0 .. len - 1
         const int64_t* table = tables + seq * s.table_stride;
         const int64_t pool_rows = kv_head * s.num_blocks;  // first block of this kv head in the pool
-        // Walk block by block from the window's first block, token by token within a block: no division
-        // per token. visit(t, row, scale): the row's elements and its scale (1 in a float pool).
-        auto for_each_row = [&](const KV* pool, const at::Half* pool_scale, auto&& visit) {
+        // Walk block by block from the window's first block: visit(t, rows, n, scales) gets the block's rows
+        // of t .. t + n - 1 and their scales (null in a float pool). No division per token.
+        auto for_each_block = [&](const KV* pool, const at::Half* pool_scale, auto&& visit) {
           const int64_t end_block = (end + s.block_size - 1) / s.block_size;
           const int64_t block_bytes = s.block_size * D * static_cast<int64_t>(sizeof(KV));
           for (int64_t b = begin / s.block_size; b < end_block; ++b) {
             const int64_t block_row = (pool_rows + table[b]) * s.block_size;  // the block's first row
-            const KV* block = pool + block_row * D;
             if (b + 1 < end_block) {  // blocks are scattered: fetch the next one while this one is used
               const char* next = reinterpret_cast<const char*>(pool + (pool_rows + table[b + 1]) * s.block_size * D);
               for (int64_t byte = 0; byte < block_bytes; byte += 64) __builtin_prefetch(next + byte);
             }
             const int64_t first = b * s.block_size;
             const int64_t i0 = std::max(begin, first) - first, n = std::min(s.block_size, end - first);
-            for (int64_t i = i0; i < n; ++i)
-              visit(first + i - begin, block + i * D, pool_scale ? static_cast<float>(pool_scale[block_row + i]) : 1.f);
+            visit(first + i0 - begin, pool + (block_row + i0) * D, n - i0,
+                  pool_scale ? pool_scale + block_row + i0 : nullptr);
           }
         };
+        const int64_t heads_at = (seq * s.num_heads + kv_head * group) * D;  // the group's first head in q and out
         for (int64_t g = 0; g < group; ++g)
-          for (int d = 0; d < D; ++d)
-            query[g * D + d] = to_float(q[(seq * s.num_heads + kv_head * group + g) * D + d]) * s.scale;
+          for (int d = 0; d < D; ++d) query[g * D + d] = to_float(q[heads_at + g * D + pair_source<KV>(d)]) * s.scale;
 
         scores.resize(group * len);  // [group, len]
-        for_each_row(key, key_scale, [&](int64_t t, const KV* k, float row_scale) {
-          float k32[D];
-          for (int d = 0; d < D; ++d) k32[d] = to_float(k[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            float dot = 0.f;
-            for (int d = 0; d < D; ++d) dot += query[g * D + d] * k32[d];
-            scores[g * len + t] = dot * row_scale;
+        for_each_block(key, key_scale, [&](int64_t t0, const KV* block, int64_t n, const at::Half* row_scales) {
+          for (int64_t i = 0; i < n; ++i) {
+            Lanes k[kRowLanes];
+            for (int l = 0; l < kRowLanes; l += 2) load_pair(block + i * D + l * kLanes, k[l], k[l + 1]);
+            const float row_scale = row_scales ? static_cast<float>(row_scales[i]) : 1.f;
+            for (int64_t g = 0; g < group; ++g) {
+              const float* qg = query.data() + g * D;
+              Lanes even = load_lanes(qg) * k[0], odd = load_lanes(qg + kLanes) * k[1];
+              for (int l = 2; l < kRowLanes; l += 2) {
+                even += load_lanes(qg + l * kLanes) * k[l];
+                odd += load_lanes(qg + (l + 1) * kLanes) * k[l + 1];
+              }
+              scores[g * len + t0 + i] = sum_lanes(even + odd) * row_scale;
+            }
           }
         });
         for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, 1 / denominator kept
@@ -105,17 +174,38 @@ void decode_attention(const T* q, const KV* key, const KV* value, const at::Half
           inv_sum[g] = 1.f / sum;
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for_each_row(value, value_scale, [&](int64_t t, const KV* v, float row_scale) {
-          float v32[D];
-          for (int d = 0; d < D; ++d) v32[d] = to_float(v[d]);
+        for_each_block(value, value_scale, [&](int64_t t0, const KV* block, int64_t n, const at::Half* row_scales) {
+          const float* v = nullptr;  // the block's rows in float32
+          if constexpr (std::is_same_v<KV, float>) {
+            v = block;
+          } else {
+            for (int64_t i = 0; i < n * kRowLanes; i += 2) {
+              Lanes first, second;
+              load_pair(block + i * kLanes, first, second);
+              *reinterpret_cast<Lanes*>(rows.data() + i * kLanes) = first;
+              *reinterpret_cast<Lanes*>(rows.data() + (i + 1) * kLanes) = second;
+            }
+            v = rows.data();
+          }
           for (int64_t g = 0; g < group; ++g) {
-            const float w = scores[g * len + t] * row_scale;
-            for (int d = 0; d < D; ++d) acc[g * D + d] += w * v32[d];
+            const float* w = scores.data() + g * len + t0;
+            if (row_scales) {  // an int8 row is code x scale: the scale goes into the row's weight
+              for (int64_t i = 0; i < n; ++i) weights[i] = w[i] * static_cast<float>(row_scales[i]);
+              w = weights.data();
+            }
+            for (int c = 0; c < kRowLanes; c += kChunkLanes) {
+              float* out_lanes = acc.data() + g * D + c * kLanes;
+              Lanes sum[kChunkLanes];
+              for (int l = 0; l < kChunkLanes; ++l) sum[l] = load_lanes(out_lanes + l * kLanes);
+              for (int64_t i = 0; i < n; ++i)
+                for (int l = 0; l < kChunkLanes; ++l) sum[l] += w[i] * load_lanes(v + i * D + (c + l) * kLanes);
+              for (int l = 0; l < kChunkLanes; ++l) *reinterpret_cast<Lanes*>(out_lanes + l * kLanes) = sum[l];
+            }
           }
         });
         for (int64_t g = 0; g < group; ++g)
           for (int d = 0; d < D; ++d)
-            out[(seq * s.num_heads + kv_head * group + g) * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+            out[heads_at + g * D + pair_source<KV>(d)] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
       }
     }
   });
