@@ -19,7 +19,7 @@ from tinyserve.engine.memory.sizing import weight_bytes_by_format
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
-                                   Int6SuperblockWeight, Int8Weight)
+                                   Int6SuperblockWeight, Int8Weight, int4_group_codes)
 from tinyserve.loader.gguf.blocks import (group_codes, int5_superblock_codes, int6_superblock_codes,
                                           superblock_codes)
 from tinyserve.loader.gguf.checkpoint import open_gguf
@@ -258,7 +258,7 @@ def test_a_merged_linear_of_two_types_holds_each_in_its_file_s_size(mixed_path):
 @needs_int_kernels
 def test_the_q4_k_linears_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
-    dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
+    dequantized = dequantized_in_a_load(mixed_path, monkeypatch)
     superblock_tensors = {gguf_name for name, fmt in W4A16_FORMATS.items() if fmt is Int4SuperblockWeight
                           for gguf_name in _gguf_names(name)}
     assert superblock_tensors and not superblock_tensors & dequantized
@@ -276,8 +276,8 @@ def load_in_formats(path, formats: dict) -> tuple:
     return model, linears, {t.name: t.data.nbytes for t in open_gguf(path).tensors}
 
 
-def dequantized_in_a_w4a16_load(path, monkeypatch) -> set[str]:
-    """The GGUF tensors a w4a16 load of the file reads as floats (the others: as codes)."""
+def dequantized_in_a_load(path, monkeypatch, quantization: str = "w4a16", dtype=torch.float32) -> set[str]:
+    """The GGUF tensors a load of the file in `quantization` reads as floats (the others: as codes)."""
     from tinyserve.loader.gguf import checkpoint
 
     dequantized, dequantize = set(), checkpoint._dequantize
@@ -287,7 +287,7 @@ def dequantized_in_a_w4a16_load(path, monkeypatch) -> set[str]:
         return dequantize(tensor, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "_dequantize", recorded)
-    _build(path, dtype=torch.float32, quantization="w4a16")
+    _build(path, dtype=dtype, quantization=quantization)
     return dequantized
 
 
@@ -300,12 +300,34 @@ def _gguf_names(module: str) -> list[str]:
 
 
 @needs_int_kernels
-def test_int4_mode_keeps_requantizing_q4_k(mixed_path):
-    """int4 (int8 activations) has no super-block kernel: a Q4_K linear is requantized to Int4Weight by rows (a
-    Q6_K one to Int8Weight)."""
+def test_int4_mode_takes_q4_k_codes_as_they_are(mixed_path, monkeypatch):
+    """int4 (int8 activations) has no super-block kernel: a Q4_K linear goes to Int4Weight in its own codes, each
+    group's scale d * sc and minimum -dmin * m rounded to float16 (a Q6_K one to Int8Weight, requantized), and its
+    tensors are never dequantized on the way."""
     assert_int4_mode_holds(mixed_path, W4A16_FORMATS, {
         Int4SuperblockWeight: Int4Weight, Int6SuperblockWeight: Int8Weight,
         (Int4SuperblockWeight, Int6SuperblockWeight): Int8Weight, (Int4SuperblockWeight, Int4Weight): Int4Weight})
+    dequantized = dequantized_in_a_load(mixed_path, monkeypatch, "int4", torch.bfloat16)
+    q4_k_linears = [name for name, fmt in W4A16_FORMATS.items()
+                    if fmt in (Int4SuperblockWeight, (Int4SuperblockWeight, Int4Weight))]
+    assert q4_k_linears and not {g for name in q4_k_linears for g in _gguf_names(name)} & dequantized
+
+
+def test_q4_k_codes_under_q4_1_s_rule_stand_for_the_file_s_values_within_float16_rounding():
+    """The codes are the file's; each group's scale and minimum off by at most 2^-11 of itself (one float16
+    rounding of the exact float32 products), so each value by at most 15 * |scale| * 2^-11 + |minimum| * 2^-11."""
+    codes = superblock_codes(_blocks(3))
+    group_codes = codes.as_group_codes()
+    assert torch.equal(group_codes.codes, codes.code_values()) and group_codes.bits == 4
+    exact = exact_values(Q.Q4_K, _blocks(3)).float()
+    scale, minimum = group_codes.scales.float(), group_codes.minimums.float()
+    bound = (15 * scale.abs() + minimum.abs()) * 2.0**-11
+    error = (group_codes.dequantized() - exact).reshape(ROWS, -1, 32).abs().amax(-1)
+    assert (error <= bound * 1.0001 + 1e-30).all() and error.amax() > 0  # rounded, not requantized
+    requantized = int4_group_codes(exact)  # what int4 mode held before: the values' own min and max
+    assert not torch.equal(requantized.codes, group_codes.codes)
+    huge = dataclasses.replace(codes, d=torch.full_like(codes.d, 60000.0))  # d * sc overflows float16
+    assert huge.as_group_codes() is None
 
 
 def assert_int4_mode_holds(path, w4a16_formats: dict, int4_formats: dict) -> None:

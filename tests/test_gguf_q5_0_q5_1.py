@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf_q4_k import (ALL_Q4_K, _gguf_names, assert_int4_mode_holds, assert_the_same_bits_in_any_batch,
-                            assert_w4a16_logits_match, assert_within_the_bound, dequantized_in_a_w4a16_load,
+                            assert_w4a16_logits_match, assert_within_the_bound, dequantized_in_a_load,
                             exact_values, load_in_formats, random_rows, write_tiny_llama)
 from test_gguf_q6_k import LINEARS
 
@@ -129,7 +129,7 @@ def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
 @needs_int_kernels
 def test_the_q5_linears_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
-    dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
+    dequantized = dequantized_in_a_load(mixed_path, monkeypatch)
     assert not {"blk.0.attn_output.weight", "blk.1.ffn_down.weight", "blk.0.ffn_gate.weight"} & dequantized
     # nor those of the merged linear of Q4_K q and k beside a Q5_0 v (a run in each)
     assert not set(_gguf_names("model.layers.1.self_attn.qkv_proj")) & dequantized

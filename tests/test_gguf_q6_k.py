@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf_q4_k import (ALL_Q4_K, COLS, ROWS, _gguf_names, assert_int4_mode_holds,
                             assert_the_same_bits_in_any_batch, assert_w4a16_logits_match, assert_within_the_bound,
-                            dequantized_in_a_w4a16_load, exact_values, load_in_formats, random_rows,
+                            dequantized_in_a_load, exact_values, load_in_formats, random_rows,
                             write_tiny_llama)
 
 from tinyserve.layers import ops
@@ -108,7 +108,7 @@ def test_w4a16_holds_each_tensor_in_its_own_format(mixed_path):
 @needs_int_kernels
 def test_the_q6_k_matrices_load_without_a_float(mixed_path, monkeypatch):
     """Their tensors' bytes go to codes as they are: none of them is dequantized on the way."""
-    dequantized = dequantized_in_a_w4a16_load(mixed_path, monkeypatch)
+    dequantized = dequantized_in_a_load(mixed_path, monkeypatch)
     q6_k = {"token_embd.weight", *_gguf_names("model.layers.1.mlp.down_proj")}
     assert not q6_k & dequantized
     # nor the shards of the merged linear of both (Q4_K q and k, a Q6_K v: a run in each)

@@ -350,6 +350,20 @@ class SuperblockCodes:
         """[rows, in] uint8, the codes in input order."""
         return unpacked_nibbles(self.codes)
 
+    def as_group_codes(self) -> GroupCodes | None:
+        """Q4_K's codes under Q4_1's rule, for int4 mode's Int4Weight (its int8-activation kernel has no
+        super-blocks): per group, scale d * sc and minimum -dmin * m, each exact in float32 and rounded once to
+        float16 (2^-11 of it at most, where requantizing the values by rows moved each weight by up to half a
+        step). The codes stay the file's. None where a scale or minimum overflows float16."""
+        if type(self) is not SuperblockCodes:
+            raise TypeError(f"{type(self).__name__} has codes wider than 4 bits")
+        per_group = SUPERBLOCK // GROUP
+        scales = (self.d.float().repeat_interleave(per_group, 1) * self.sub_scales.float()).to(torch.float16)
+        minimums = (self.dmin.float().repeat_interleave(per_group, 1) * -self.sub_mins.float()).to(torch.float16)
+        if not (scales.isfinite().all() and minimums.isfinite().all()):
+            return None
+        return GroupCodes(4, self.code_values(), scales, minimums)
+
 
 @dataclass(frozen=True)
 class Int5SuperblockCodes(SuperblockCodes):

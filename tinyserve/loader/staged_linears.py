@@ -6,8 +6,9 @@ already built, at most one Linear's codes (a byte per weight) and one block of r
 
 A tensor whose file codes convert to ours without a float (a GGUF's Q4_0 / Q4_1 into int4, its Q8_0 into
 int8, in w4a16 mode its Q5_0 / Q5_1 into Int5Weight, its Q4_K, Q5_K and Q6_K into Int4-, Int5- and
-Int6SuperblockWeight, a Q6_K head or embedding too: loader/gguf/blocks.py) is copied code for code. Any other (a
-float tensor, a tensor-parallel rank's columns, a K-quant or Q5_x in another mode) is read as float32 rows and
+Int6SuperblockWeight, a Q6_K head or embedding too: loader/gguf/blocks.py; in int4 mode its Q4_K into Int4Weight,
+each group's scale and minimum rounded to float16) is copied code for code. Any other (a float tensor, a
+tensor-parallel rank's columns, a Q5_K / Q6_K or Q5_x in another mode) is read as float32 rows and
 quantized by its format's rule (layers/quant.py), which is the same for a block of rows as for the whole matrix:
 each group of 32 inputs is one row's.
 Int8ChannelWeight (the int8 mode's per-row scale) is quantized from the whole matrix in float32 instead.
@@ -112,6 +113,8 @@ class StagedLinear:
         in as they are (group codes of its bits, or a K-quant's super-blocks); None: its rows come as float32."""
         if self.fmt in _SUPERBLOCK_CODES:
             return decode_superblocks
+        if self.fmt is Int4Weight and decode_superblocks is not None:  # int4 mode: a Q4_K's codes under Q4_1's rule
+            return lambda fetched, rows: _as_int4_group_codes(decode_superblocks(fetched, rows))
         return decode_codes if code_bits == _BITS.get(self.fmt) else None
 
     def write(self, row: int, piece: torch.Tensor | FileCodes) -> None:
@@ -166,6 +169,13 @@ class StagedLinear:
                                  f"minimums) has a Q{codes.bits}_0 scale over {65504 // zero}: its minimum "
                                  f"-{zero} * d overflows")
         return codes
+
+
+def _as_int4_group_codes(codes: FileCodes) -> GroupCodes | torch.Tensor:
+    """A K-quant's super-blocks for Int4Weight: Q4_K's codes under Q4_1's rule (SuperblockCodes.as_group_codes),
+    else (a scale overflowing float16, a wider K-quant) its values as float32 rows, which write() quantizes."""
+    group_codes = codes.as_group_codes() if type(codes) is SuperblockCodes else None
+    return group_codes if group_codes is not None else codes.dequantized()
 
 
 @dataclass
