@@ -16,11 +16,11 @@ from test_gguf_dequant import REFERENCES, random_blocks
 
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
-from tinyserve.layers.quant import Int4Weight, Int8Weight
+from tinyserve.layers.quant import Int4Weight, Int8Weight, NibbleCodes
 from tinyserve.loader import staged_linears
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
-from tinyserve.loader.gguf.blocks import group_codes
+from tinyserve.loader.gguf.blocks import file_codes, group_codes
 from tinyserve.loader.model_loader import build_model
 
 ROWS, COLS = 5, 96  # odd rows, three blocks a row
@@ -44,6 +44,20 @@ def test_group_codes_stand_for_the_file_s_values_exactly(qtype):
     assert codes.bits == (8 if qtype == Q.Q8_0 else 4)
     assert (codes.minimums is None) == (qtype != Q.Q4_1)  # Q4_0 and Q8_0: w = (q - zero_code) * d
     assert torch.equal(codes.dequantized(), expected.reshape(ROWS, COLS).float())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_nibble_codes_are_the_group_codes_packed_as_the_kernels_read_them(qtype):
+    """The loader's way in for Q4_x (file_codes: packed in word operations) against the codes a byte each packed
+    by Int4Weight's own rule (GroupCodes.packed), and the same Int4Weight from either."""
+    blocks = _blocks(qtype, seed=2)
+    nibbles, codes = file_codes(qtype, blocks), group_codes(qtype, blocks)
+    assert isinstance(nibbles, NibbleCodes) and nibbles.shape == codes.shape == (ROWS, COLS)
+    assert torch.equal(nibbles.codes, codes.packed().codes) and torch.equal(nibbles.unpacked().codes, codes.codes)
+    assert torch.equal(nibbles.dequantized(), codes.dequantized())
+    a, b = Int4Weight.from_codes(nibbles), Int4Weight.from_codes(codes)
+    assert all(torch.equal(x, y) for x, y in ((a.codes, b.codes), (a.scales, b.scales)))
+    assert (a.minimums is None) == (b.minimums is None) == (qtype == Q.Q4_0)
 
 
 @needs_int_kernels

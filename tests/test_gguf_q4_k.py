@@ -314,20 +314,22 @@ def test_int4_mode_takes_q4_k_codes_as_they_are(mixed_path, monkeypatch):
 
 
 def test_q4_k_codes_under_q4_1_s_rule_stand_for_the_file_s_values_within_float16_rounding():
-    """The codes are the file's; each group's scale and minimum off by at most 2^-11 of itself (one float16
-    rounding of the exact float32 products), so each value by at most 15 * |scale| * 2^-11 + |minimum| * 2^-11."""
+    """The codes are the file's, packed as they are; each group's scale and minimum off by at most 2^-11 of
+    itself (one float16 rounding of the exact float32 products), so each value by at most
+    15 * |scale| * 2^-11 + |minimum| * 2^-11."""
     codes = superblock_codes(_blocks(3))
-    group_codes = codes.as_group_codes()
-    assert torch.equal(group_codes.codes, codes.code_values()) and group_codes.bits == 4
+    nibbles = codes.as_nibble_codes()
+    assert torch.equal(nibbles.codes, codes.codes) and nibbles.bits == 4
+    assert torch.equal(nibbles.unpacked().codes, codes.code_values())
     exact = exact_values(Q.Q4_K, _blocks(3)).float()
-    scale, minimum = group_codes.scales.float(), group_codes.minimums.float()
+    scale, minimum = nibbles.scales.float(), nibbles.minimums.float()
     bound = (15 * scale.abs() + minimum.abs()) * 2.0**-11
-    error = (group_codes.dequantized() - exact).reshape(ROWS, -1, 32).abs().amax(-1)
+    error = (nibbles.dequantized() - exact).reshape(ROWS, -1, 32).abs().amax(-1)
     assert (error <= bound * 1.0001 + 1e-30).all() and error.amax() > 0  # rounded, not requantized
     requantized = int4_group_codes(exact)  # what int4 mode held before: the values' own min and max
-    assert not torch.equal(requantized.codes, group_codes.codes)
+    assert not torch.equal(requantized.codes, nibbles.unpacked().codes)
     huge = dataclasses.replace(codes, d=torch.full_like(codes.d, 60000.0))  # d * sc overflows float16
-    assert huge.as_group_codes() is None
+    assert huge.as_nibble_codes() is None
 
 
 def assert_int4_mode_holds(path, w4a16_formats: dict, int4_formats: dict) -> None:

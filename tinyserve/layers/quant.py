@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -89,12 +90,50 @@ class GroupCodes:
             return ((groups - zero_code(self.bits)) * scale).reshape(rows, in_features)
         return (groups * scale + self.minimums.float()[..., None]).reshape(rows, in_features)
 
+    def packed(self) -> NibbleCodes:
+        """4-bit codes two a byte in the int4 kernels' order (NibbleCodes)."""
+        if self.bits != 4:
+            raise ValueError(f"only 4-bit codes pack into nibbles, got {self.bits}-bit")
+        return NibbleCodes(_nibble_chunks(self.codes).reshape(self.codes.shape[0], -1), self.scales, self.minimums)
+
     def with_minimums(self) -> GroupCodes:
         """Symmetric 4- or 5-bit codes under Q4_1's rule: minimums -zero_code * scale, exact in float16 where
         they do not overflow (inf there). For a matrix whose shards mix the rules (loader/staged_linears.py)."""
         if self.minimums is not None:
             return self
         return dataclasses.replace(self, minimums=(self.scales.float() * -zero_code(self.bits)).to(torch.float16))
+
+
+@dataclass(frozen=True)
+class NibbleCodes:
+    """4-bit group codes packed two a byte in the int4 kernels' order within each group (byte 4c + b of a group
+    holds inputs 8c + b and 8c + b + 4: Int4Weight's chunks, before the interleaving of rows), with GroupCodes'
+    scales and minimums and rule: what Int4Weight is made of. A file's Q4_0 / Q4_1 blocks become these in a few
+    word operations (loader/gguf/blocks.py, nibble_codes) and a Q4_K's codes as they are
+    (SuperblockCodes.as_nibble_codes): no pass at a byte per weight on the way (GroupCodes.packed from those)."""
+
+    bits: ClassVar[int] = 4
+    codes: torch.Tensor  # [rows, in / 2] uint8
+    scales: torch.Tensor  # [rows, in / 32] float16
+    minimums: torch.Tensor | None  # [rows, in / 32] float16, or None: w = (code - 8) * scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, in] of the matrix."""
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    def unpacked(self) -> GroupCodes:
+        """The same codes a byte each, in input order."""
+        return GroupCodes(4, unpacked_nibbles(self.codes), self.scales, self.minimums)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.unpacked().dequantized()
+
+    def with_minimums(self) -> NibbleCodes:
+        """GroupCodes.with_minimums."""
+        if self.minimums is not None:
+            return self
+        return dataclasses.replace(self, minimums=(self.scales.float() * -zero_code(4)).to(torch.float16))
 
 
 def zero_code(bits: int) -> int:
@@ -199,7 +238,7 @@ def _nibble_chunks(codes: torch.Tensor) -> torch.Tensor:
     return (words[..., 0] | (words[..., 1] << 4)).contiguous().view(torch.uint8).reshape(rows, -1, 4, 4)
 
 
-def _scales_and_minimums(codes: GroupCodes) -> list[torch.Tensor]:
+def _scales_and_minimums(codes: GroupCodes | NibbleCodes) -> list[torch.Tensor]:
     """The per-group values kernel_layout interleaves: the scales, and the minimums where the codes have them."""
     return [codes.scales] if codes.minimums is None else [codes.scales, codes.minimums]
 
@@ -222,12 +261,16 @@ class Int4Weight:
         return cls.from_codes(codes), codes.dequantized()
 
     @classmethod
-    def from_codes(cls, codes: GroupCodes) -> Int4Weight:
-        """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks, or int4_group_codes')."""
+    def from_codes(cls, codes: GroupCodes | NibbleCodes) -> Int4Weight:
+        """The kernel's layout of 4-bit group codes (a file's Q4_0 / Q4_1 blocks or Q4_K's codes as NibbleCodes,
+        or int4_group_codes')."""
         if codes.bits != 4:
             raise ValueError(f"Int4Weight takes 4-bit codes, got {codes.bits}-bit")
-        packed, (scales, *minimums) = kernel_layout(_nibble_chunks(codes.codes), _scales_and_minimums(codes))
-        return cls(packed, scales, minimums[0] if minimums else None, codes.codes.shape[0])
+        if isinstance(codes, GroupCodes):
+            codes = codes.packed()
+        rows = codes.codes.shape[0]
+        packed, (scales, *minimums) = kernel_layout(codes.codes.reshape(rows, -1, 4, 4), _scales_and_minimums(codes))
+        return cls(packed, scales, minimums[0] if minimums else None, rows)
 
     @property
     def nbytes(self) -> int:
@@ -350,11 +393,11 @@ class SuperblockCodes:
         """[rows, in] uint8, the codes in input order."""
         return unpacked_nibbles(self.codes)
 
-    def as_group_codes(self) -> GroupCodes | None:
+    def as_nibble_codes(self) -> NibbleCodes | None:
         """Q4_K's codes under Q4_1's rule, for int4 mode's Int4Weight (its int8-activation kernel has no
         super-blocks): per group, scale d * sc and minimum -dmin * m, each exact in float32 and rounded once to
         float16 (2^-11 of it at most, where requantizing the values by rows moved each weight by up to half a
-        step). The codes stay the file's. None where a scale or minimum overflows float16."""
+        step). The codes stay the file's, packed as they are. None where a scale or minimum overflows float16."""
         if type(self) is not SuperblockCodes:
             raise TypeError(f"{type(self).__name__} has codes wider than 4 bits")
         per_group = SUPERBLOCK // GROUP
@@ -362,7 +405,7 @@ class SuperblockCodes:
         minimums = (self.dmin.float().repeat_interleave(per_group, 1) * -self.sub_mins.float()).to(torch.float16)
         if not (scales.isfinite().all() and minimums.isfinite().all()):
             return None
-        return GroupCodes(4, self.code_values(), scales, minimums)
+        return NibbleCodes(self.codes, scales, minimums)
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,13 @@ from tinyserve.layers.embedding import Embedding
 from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kept_at_int8, quantized_format
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
                                     Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
-                                    Int8ChannelWeight, Int8Weight, SuperblockCodes, int4_group_codes,
+                                    Int8ChannelWeight, Int8Weight, NibbleCodes, SuperblockCodes, int4_group_codes,
                                     int8_group_codes, zero_code)
 from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.loader.errors import ModelLoadError
 
-FileCodes = GroupCodes | SuperblockCodes | Int6SuperblockCodes  # a file's codes, before a format's interleaving
+# a file's codes, before a format's interleaving
+FileCodes = GroupCodes | NibbleCodes | SuperblockCodes | Int6SuperblockCodes
 Decoder = Callable[[Any, Any], FileCodes]  # (fetched bytes, rows) -> codes
 _RULES = {Int4Weight: int4_group_codes, Int8Weight: int8_group_codes}  # float rows -> group codes
 _BITS = {Int4Weight: 4, Int5Weight: 5, Int8Weight: 8}  # the bits of the group codes each format holds
@@ -55,8 +56,9 @@ class ShardBits:
 
 @dataclass
 class StagedLinear:
-    """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight,
-    Int8Weight; the super-block formats' SuperblockCodes, Int5SuperblockCodes, Int6SuperblockCodes), or `values`
+    """One Linear's weight on its way from the checkpoint to its format: `codes` filled by rows (Int4Weight's
+    NibbleCodes, Int5Weight's and Int8Weight's GroupCodes; the super-block formats' SuperblockCodes,
+    Int5SuperblockCodes, Int6SuperblockCodes), or `values`
     (Int8ChannelWeight, float32 [out, in])."""
 
     holders: tuple[nn.Module, ...]  # the modules that take the format: a Linear; a tied head and its embedding
@@ -103,9 +105,12 @@ class StagedLinear:
             return
         bits, groups = _BITS[self.fmt], inputs // GROUP
         halves = dict(dtype=torch.float16, device=device)
-        self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device),
-                                torch.empty(rows, groups, **halves),
-                                torch.empty(rows, groups, **halves) if bits != 8 else None)
+        scales, minimums = torch.empty(rows, groups, **halves), torch.empty(rows, groups, **halves)
+        if bits == 4:  # packed as they come from the file (float rows' codes are packed on the way in)
+            self.codes = NibbleCodes(torch.empty(rows, inputs // 2, dtype=torch.uint8, device=device), scales, minimums)
+        else:
+            self.codes = GroupCodes(bits, torch.empty(rows, inputs, dtype=torch.uint8, device=device), scales,
+                                    minimums if bits != 8 else None)
 
     def codes_decoder(self, code_bits: int | None, decode_codes: Decoder | None,
                       decode_superblocks: Decoder | None) -> Decoder | None:
@@ -114,7 +119,7 @@ class StagedLinear:
         if self.fmt in _SUPERBLOCK_CODES:
             return decode_superblocks
         if self.fmt is Int4Weight and decode_superblocks is not None:  # int4 mode: a Q4_K's codes under Q4_1's rule
-            return lambda fetched, rows: _as_int4_group_codes(decode_superblocks(fetched, rows))
+            return lambda fetched, rows: _as_nibble_codes(decode_superblocks(fetched, rows))
         return decode_codes if code_bits == _BITS.get(self.fmt) else None
 
     def write(self, row: int, piece: torch.Tensor | FileCodes) -> None:
@@ -130,7 +135,9 @@ class StagedLinear:
         if self.values is not None:
             self.values[row:stop].copy_(piece)
         else:
-            if isinstance(piece, GroupCodes) and piece.bits != 8:
+            if isinstance(self.codes, NibbleCodes) and isinstance(piece, GroupCodes):
+                piece = piece.packed()
+            if isinstance(piece, (GroupCodes, NibbleCodes)) and piece.bits != 8:
                 self.has_minimums |= piece.minimums is not None
                 piece = piece.with_minimums()
                 self.has_overflowing_minimums |= bool((piece.minimums.isinf() & piece.scales.isfinite()).any())
@@ -159,7 +166,7 @@ class StagedLinear:
 
     def _symmetric_or_checked(self, codes: FileCodes) -> FileCodes:
         """4- or 5-bit codes without minimums where no piece had them; else with them, if every one is finite."""
-        if not isinstance(codes, GroupCodes) or codes.bits == 8:
+        if not isinstance(codes, (GroupCodes, NibbleCodes)) or codes.bits == 8:
             return codes
         if not self.has_minimums:
             return dataclasses.replace(codes, minimums=None)
@@ -171,11 +178,11 @@ class StagedLinear:
         return codes
 
 
-def _as_int4_group_codes(codes: FileCodes) -> GroupCodes | torch.Tensor:
-    """A K-quant's super-blocks for Int4Weight: Q4_K's codes under Q4_1's rule (SuperblockCodes.as_group_codes),
+def _as_nibble_codes(codes: FileCodes) -> NibbleCodes | torch.Tensor:
+    """A K-quant's super-blocks for Int4Weight: Q4_K's codes under Q4_1's rule (SuperblockCodes.as_nibble_codes),
     else (a scale overflowing float16, a wider K-quant) its values as float32 rows, which write() quantizes."""
-    group_codes = codes.as_group_codes() if type(codes) is SuperblockCodes else None
-    return group_codes if group_codes is not None else codes.dequantized()
+    nibble_codes = codes.as_nibble_codes() if type(codes) is SuperblockCodes else None
+    return nibble_codes if nibble_codes is not None else codes.dequantized()
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tinyserve.layers.linear import Linear, MergedLinear
-from tinyserve.layers.quant import GroupCodes
+from tinyserve.layers.quant import GroupCodes, NibbleCodes
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.file_reads import FileReads
 from tinyserve.loader.names import to_param_name
@@ -51,10 +51,10 @@ class TensorSource:
     (dequantizing, reordering), the CPU work, which stays on the step thread with the model's other pieces.
     Without them, `read` and `read_rows` run whole on the I/O thread.
     `code_bits` and `decode_codes`, where the file's codes convert to our group codes without a float
-    (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> GroupCodes
-    of those bits. `decode_superblocks`, where the file's codes are a K-quant's super-blocks:
-    decode_superblocks(fetched, rows) -> their codes (Q4_K's SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's
-    Int6SuperblockCodes: w4a16's formats). `release`: drops the file's pages of the tensor from the process once
+    (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> their codes
+    of those bits (blocks.file_codes: Q4_x's as NibbleCodes, the others' as GroupCodes). `decode_superblocks`,
+    where the file's codes are a K-quant's super-blocks: decode_superblocks(fetched, rows) -> their codes (Q4_K's
+    SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's Int6SuperblockCodes: w4a16's formats). `release`: drops the file's pages of the tensor from the process once
     it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
@@ -64,7 +64,7 @@ class TensorSource:
     fetch: Callable[[Rows], Any] | None = None
     decode: Callable[[Any, Rows], torch.Tensor] | None = None
     code_bits: int | None = None
-    decode_codes: Callable[[Any, Rows], GroupCodes] | None = None
+    decode_codes: Callable[[Any, Rows], GroupCodes | NibbleCodes] | None = None
     release: Callable[[], None] | None = None
     decode_superblocks: Callable[[Any, Rows], FileCodes] | None = None
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6SuperblockCodes, SuperblockCodes
+from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6SuperblockCodes, NibbleCodes, SuperblockCodes
 
 # each type converted here -> the bits of the group codes it becomes
 CODE_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q5_0: 5,
@@ -45,9 +45,20 @@ _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GG
 _WITH_MINIMUMS = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}  # the others: w = (q - 2^(bits - 1)) d
 
 
+def file_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes | NibbleCodes:
+    """data: the tensor's rows as bytes, uint8 [rows, bytes per row] (GGUFTensor.data or rows of it) -> the codes
+    of the same rows as the formats take them: Q4_0's and Q4_1's packed (nibble_codes), the others' a byte each
+    (group_codes)."""
+    if CODE_BITS[tensor_type] == 4:
+        return nibble_codes(tensor_type, data)
+    return group_codes(tensor_type, data)
+
+
 def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCodes:
     """data: the tensor's rows as bytes, uint8 [rows, bytes per row] (GGUFTensor.data or rows of it) -> the
     group codes of the same rows."""
+    if CODE_BITS[tensor_type] == 4:
+        return nibble_codes(tensor_type, data).unpacked()
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
     scales = _halves(blocks[..., 0:2])
@@ -57,16 +68,33 @@ def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCod
     bits, at, minimums = CODE_BITS[tensor_type], 2, None
     if tensor_type in _WITH_MINIMUMS:
         minimums, at = _halves(blocks[..., 2:4]), 4
-    qh_bytes = 4 if bits == 5 else 0
+    qh_bytes = 4
     # weights 0..15 in the low nibbles of the 16 bytes, then 16..31 in the high ones; on 4-byte words (a fourth
     # of the elements of a byte-wise pass: it was most of a Q4_0 model's load time)
     packed = blocks[..., at + qh_bytes:].contiguous().view(torch.int32)
     low = _per_byte(0x0F)
     codes = torch.cat([packed & low, (packed >> 4) & low], dim=-1).view(torch.uint8)
-    if qh_bytes:  # weight j's high bit: bit j of the word qh
-        qh = blocks[..., at:at + 4].contiguous().view(torch.int32)
-        codes |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+    qh = blocks[..., at:at + 4].contiguous().view(torch.int32)  # weight j's high bit: bit j of the word qh
+    codes |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
     return GroupCodes(bits, codes.reshape(rows, -1), scales, minimums)
+
+
+def nibble_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleCodes:
+    """A Q4_0 / Q4_1 tensor's rows as bytes (as group_codes takes them) -> their NibbleCodes. A block's 16 code
+    bytes hold weight j in byte j's low nibble and weight 16 + j in its high one; the kernels' chunk c, byte b
+    holds weights 8c + b (low) and 8c + b + 4 (high). On the block's four 4-byte words W0-W3 (byte b of Wm is
+    the block's byte 4m + b) that is chunk 0 = lo(W0) | lo(W1) << 4, chunk 1 = lo(W2) | lo(W3) << 4, chunk 2 =
+    hi(W0) >> 4 | hi(W1), chunk 3 = hi(W2) >> 4 | hi(W3), lo and hi the low and high nibble of each byte."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
+    scales, minimums, at = _halves(blocks[..., 0:2]), None, 2
+    if tensor_type in _WITH_MINIMUMS:
+        minimums, at = _halves(blocks[..., 2:4]), 4
+    w0, w1, w2, w3 = blocks[..., at:].contiguous().view(torch.int32).unbind(-1)
+    low, high = _per_byte(0x0F), _per_byte(0xF0)
+    chunks = torch.stack([(w0 & low) | ((w1 & low) << 4), (w2 & low) | ((w3 & low) << 4),
+                          ((w0 >> 4) & low) | (w1 & high), ((w2 >> 4) & low) | (w3 & high)], dim=-1)
+    return NibbleCodes(_bytes(chunks, rows), scales, minimums)
 
 
 _Q4_K_WORDS = 36  # 144 bytes: words 0 (d, dmin), 1-3 (the packed 6-bit values), 4-35 (the codes)

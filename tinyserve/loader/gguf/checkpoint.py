@@ -19,8 +19,7 @@ import torch
 
 from tinyserve.config import ModelConfig, RopeScaling
 from tinyserve.loader.errors import ModelLoadError
-from tinyserve.layers.quant import GroupCodes
-from tinyserve.loader.gguf.blocks import CODE_BITS, SUPERBLOCK_CODES, group_codes
+from tinyserve.loader.gguf.blocks import CODE_BITS, SUPERBLOCK_CODES, file_codes
 from tinyserve.loader.gguf.file_format import GGUFFile, GGUFTensor
 from tinyserve.loader.names import gguf_to_hf_name
 from tinyserve.loader.weights import FileCodes, NamedTensor, TensorSource
@@ -311,4 +310,4 @@ def _decode_codes(tensor: GGUFTensor, num_heads: int | None, data: np.ndarray, r
     convert: bytes -> codes of another kind (blocks.SUPERBLOCK_CODES: a K-quant's)."""
     if num_heads is not None:
         data = _unpermute_rope_rows(data, num_heads)
-    return group_codes(tensor.tensor_type, data) if convert is None else convert(data)
+    return file_codes(tensor.tensor_type, data) if convert is None else convert(data)
