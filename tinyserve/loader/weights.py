@@ -54,8 +54,8 @@ class TensorSource:
     (a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: loader/gguf/blocks.py): decode_codes(fetched, rows) -> their codes
     of those bits (blocks.file_codes: Q4_x's as NibbleCodes, the others' as GroupCodes). `decode_superblocks`,
     where the file's codes are a K-quant's super-blocks: decode_superblocks(fetched, rows) -> their codes (Q4_K's
-    SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's Int6SuperblockCodes: w4a16's formats). `release`: drops the file's pages of the tensor from the process once
-    it is read (GGUFFile.release)."""
+    SuperblockCodes, Q5_K's Int5SuperblockCodes, Q6_K's Int6SuperblockCodes: w4a16's formats). `release`: drops
+    the file's pages of the tensor from the process once it is read (GGUFFile.release)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
