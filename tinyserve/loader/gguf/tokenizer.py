@@ -7,6 +7,7 @@ SentencePiece-style vocabularies are assembled here; loader/tokenizer.py wraps t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import tokenizers
@@ -99,10 +100,11 @@ def _byte_level_vocab(tokens: list[str], types: list[int]) -> dict[str, int]:
     """A GGUF spells byte-level tokens in GPT-2's alphabet, but control and user-defined tokens as raw text;
     raw ones stay raw (they are matched whole in the text), any other odd one is respelled byte by byte."""
     spelling = gpt2_byte_alphabet()
-    alphabet = set(spelling.values())
+    # a token all in the alphabet: one regex match (a set of its characters per token was 0.1 s of a 128K vocab)
+    spelled = re.compile("[" + re.escape("".join(sorted(set(spelling.values())))) + "]*").fullmatch
     vocab: dict[str, int] = {}
     for token_id, (token, token_type) in enumerate(zip(tokens, types)):
-        if token_type not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
+        if token_type not in (_CONTROL, _USER_DEFINED) and spelled(token) is None:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, token_id)
     return vocab
