@@ -101,7 +101,7 @@ class GroupCodes:
         they do not overflow (inf there). For a matrix whose shards mix the rules (loader/staged_linears.py)."""
         if self.minimums is not None:
             return self
-        return dataclasses.replace(self, minimums=(self.scales.float() * -zero_code(self.bits)).to(torch.float16))
+        return dataclasses.replace(self, minimums=symmetric_minimums(self.scales, self.bits))
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,12 @@ class NibbleCodes:
         """GroupCodes.with_minimums."""
         if self.minimums is not None:
             return self
-        return dataclasses.replace(self, minimums=(self.scales.float() * -zero_code(4)).to(torch.float16))
+        return dataclasses.replace(self, minimums=symmetric_minimums(self.scales, self.bits))
+
+
+def symmetric_minimums(scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """The symmetric rule's offsets as Q4_1-style minimums: -zero_code * scale in float16 (inf where it overflows)."""
+    return (scales.float() * -zero_code(bits)).to(torch.float16)
 
 
 def zero_code(bits: int) -> int:

@@ -68,10 +68,9 @@ def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCod
     bits, at, minimums = CODE_BITS[tensor_type], 2, None
     if tensor_type in _WITH_MINIMUMS:
         minimums, at = _halves(blocks[..., 2:4]), 4
-    qh_bytes = 4
-    # weights 0..15 in the low nibbles of the 16 bytes, then 16..31 in the high ones; on 4-byte words (a fourth
-    # of the elements of a byte-wise pass: it was most of a Q4_0 model's load time)
-    packed = blocks[..., at + qh_bytes:].contiguous().view(torch.int32)
+    # Q5_x: the high bits' word qh, then weights 0..15 in the low nibbles of the 16 bytes and 16..31 in the high
+    # ones; on 4-byte words (a fourth of the elements of a byte-wise pass)
+    packed = blocks[..., at + 4:].contiguous().view(torch.int32)
     low = _per_byte(0x0F)
     codes = torch.cat([packed & low, (packed >> 4) & low], dim=-1).view(torch.uint8)
     qh = blocks[..., at:at + 4].contiguous().view(torch.int32)  # weight j's high bit: bit j of the word qh
