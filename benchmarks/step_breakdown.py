@@ -24,7 +24,10 @@ from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "tinyserve::bf16_matmul",
-              "tinyserve::int8_matmul", "tinyserve::int4_matmul", "tinyserve::int8_channel_matmul"}
+              "tinyserve::int8_matmul", "tinyserve::int4_matmul", "tinyserve::int8_channel_matmul",
+              "tinyserve::f32_matmul", "tinyserve::w4a16_matmul", "tinyserve::w8a16_matmul",
+              "tinyserve::w4a16_superblock_matmul", "tinyserve::w5a16_matmul", "tinyserve::w5a16_superblock_matmul",
+              "tinyserve::w6a16_superblock_matmul"}
 ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_", "aten::_embedding_bag",
                  "aten::_embedding_bag_forward_only",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "tinyserve::paged_decode_attention",

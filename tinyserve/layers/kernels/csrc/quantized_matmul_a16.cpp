@@ -185,10 +185,18 @@ void fused_blocks(const uint8_t* const* codes, const Groups* groups, const float
     for (int r = 0; r < R; ++r) __builtin_memcpy(sums[r] + t * kRows, &acc[t][r], sizeof(acc[t][r]));
 }
 
-// Blocks side by side in fused_blocks for a step of T tokens: enough for 8 chains of sums (AVX2: 4 blocks for
-// one token, 2 for two, 1 for three or four).
+// Blocks side by side in fused_blocks for a step of T tokens: enough for 8 chains of sums on AVX-512 (8 blocks
+// for one token); on AVX2 for 4 (2 blocks for one token, 1 for two or more). There each block holds 8 vectors
+// through its groups (scale, offset, sums and codes of its two halves), and 4 blocks' 32 spilled to the stack:
+// 2 blocks ran one token 1.15-1.35x faster (Zen 3, docs/PERFORMANCE.md "W4A16 at one token: fewer blocks side
+// by side"), 1 block about as fast.
+#ifdef __AVX512F__
+constexpr int kChains = 8;
+#else
+constexpr int kChains = 4;
+#endif
 template <int T>
-constexpr int kSideBySide = std::max(1, 8 / (kParts * T));
+constexpr int kSideBySide = std::max(1, kChains / (kParts * T));
 
 // All blocks of a T-token step through fused_blocks, runs of kSideBySide<T> blocks split over the threads.
 template <int T, class Groups, class Out>
