@@ -19,7 +19,7 @@ import time
 
 from torch.profiler import profile
 
-from tinyserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_MODES, CacheConfig, EngineConfig, SchedulerConfig
 from tinyserve.engine.loop.llm_engine import LLMEngine
 from tinyserve.types import SamplingParams
 
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)  # auto: what `tinyserve serve` picks
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)

@@ -20,7 +20,7 @@ from tinyserve.layers.quant import Int4Weight, Int8Weight, NibbleCodes
 from tinyserve.loader import staged_linears
 from tinyserve.loader.errors import ModelLoadError
 from tinyserve.loader.gguf.checkpoint import gguf_model_config, gguf_tensors, open_gguf
-from tinyserve.loader.gguf.blocks import file_codes, group_codes
+from tinyserve.loader.gguf.blocks import _nibble_codes_in_torch, file_codes, group_codes
 from tinyserve.loader.model_loader import build_model
 
 ROWS, COLS = 5, 96  # odd rows, three blocks a row
@@ -58,6 +58,22 @@ def test_nibble_codes_are_the_group_codes_packed_as_the_kernels_read_them(qtype)
     a, b = Int4Weight.from_codes(nibbles), Int4Weight.from_codes(codes)
     assert all(torch.equal(x, y) for x, y in ((a.codes, b.codes), (a.scales, b.scales)))
     assert (a.minimums is None) == (b.minimums is None) == (qtype == Q.Q4_0)
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, ROWS])
+def test_the_c_plus_plus_nibble_pass_gives_the_torch_ops_bytes(qtype, rows):
+    """nibble_codes' one C++ pass (csrc/gguf_nibbles.cpp, where the kernels are built) against its torch ops:
+    the same codes, scales and minimums, bit for bit."""
+    blocks = _blocks(qtype, seed=4)[:rows]
+    fast, torch_ops = file_codes(qtype, blocks), _nibble_codes_in_torch(qtype, blocks)
+    assert fast.codes.shape == (rows, COLS // 2) and torch.equal(fast.codes, torch_ops.codes)
+    assert torch.equal(fast.scales.view(torch.int16), torch_ops.scales.view(torch.int16))
+    if qtype == Q.Q4_0:
+        assert fast.minimums is None and torch_ops.minimums is None
+    else:
+        assert torch.equal(fast.minimums.view(torch.int16), torch_ops.minimums.view(torch.int16))
 
 
 @needs_int_kernels

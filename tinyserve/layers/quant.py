@@ -98,7 +98,8 @@ class GroupCodes:
 
     def with_minimums(self) -> GroupCodes:
         """Symmetric 4- or 5-bit codes under Q4_1's rule: minimums -zero_code * scale, exact in float16 where
-        they do not overflow (inf there). For a matrix whose shards mix the rules (loader/staged_linears.py)."""
+        they do not overflow (inf there): the same weights as without them (a matrix whose shards mix the rules
+        holds them so: loader/staged_linears.py writes symmetric_minimums for its symmetric rows)."""
         if self.minimums is not None:
             return self
         return dataclasses.replace(self, minimums=symmetric_minimums(self.scales, self.bits))

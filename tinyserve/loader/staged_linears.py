@@ -29,7 +29,7 @@ from tinyserve.layers.linear import Linear, QuantizedFormat, TiedLMHead, log_kep
 from tinyserve.layers.quant import (GROUP, GroupCodes, Int4SuperblockWeight, Int4Weight, Int5SuperblockCodes,
                                     Int5SuperblockWeight, Int5Weight, Int6SuperblockCodes, Int6SuperblockWeight,
                                     Int8ChannelWeight, Int8Weight, NibbleCodes, SuperblockCodes, int4_group_codes,
-                                    int8_group_codes, zero_code)
+                                    int8_group_codes, symmetric_minimums, zero_code)
 from tinyserve.layers.weight_format import StackedWeight
 from tinyserve.loader.errors import ModelLoadError
 
@@ -69,10 +69,10 @@ class StagedLinear:
     codes: FileCodes | None = None
     values: torch.Tensor | None = None
     # 4 and 5 bits: whether a piece came with minimums (Q4_1, Q5_1, float rows); if none did (Q4_0, Q5_0), the
-    # format holds none (the symmetric rule), else the others' are written beside them as -zero_code * scale,
-    # which overflows float16 for a scale over 65504 / zero_code (has_overflowing_minimums)
+    # format holds none (the symmetric rule), else the rows of the others (symmetric_rows, [start, stop) each)
+    # get theirs at build, -zero_code * scale, which overflows float16 for a scale over 65504 / zero_code
     has_minimums: bool = False
-    has_overflowing_minimums: bool = False
+    symmetric_rows: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.rows_left = self.shape[0]
@@ -138,9 +138,10 @@ class StagedLinear:
             if isinstance(self.codes, NibbleCodes) and isinstance(piece, GroupCodes):
                 piece = piece.packed()
             if isinstance(piece, (GroupCodes, NibbleCodes)) and piece.bits != 8:
-                self.has_minimums |= piece.minimums is not None
-                piece = piece.with_minimums()
-                self.has_overflowing_minimums |= bool((piece.minimums.isinf() & piece.scales.isfinite()).any())
+                if piece.minimums is None:
+                    self.symmetric_rows.append((row, stop))
+                else:
+                    self.has_minimums = True
             for part in dataclasses.fields(piece):  # codes, scales, ...; a GroupCodes' bits and absent minimums
                 value = getattr(piece, part.name)
                 if isinstance(value, torch.Tensor):
@@ -165,16 +166,21 @@ class StagedLinear:
         return weight
 
     def _symmetric_or_checked(self, codes: FileCodes) -> FileCodes:
-        """4- or 5-bit codes without minimums where no piece had them; else with them, if every one is finite."""
+        """4- or 5-bit codes without minimums where no piece had them; else with them (the symmetric pieces'
+        computed now), if every one is finite."""
         if not isinstance(codes, (GroupCodes, NibbleCodes)) or codes.bits == 8:
             return codes
         if not self.has_minimums:
             return dataclasses.replace(codes, minimums=None)
-        if self.has_overflowing_minimums:
-            zero = zero_code(codes.bits)
-            raise ModelLoadError(f"a matrix merging Q{codes.bits}_0 shards with others (held with float16 "
-                                 f"minimums) has a Q{codes.bits}_0 scale over {65504 // zero}: its minimum "
-                                 f"-{zero} * d overflows")
+        for start, stop in self.symmetric_rows:
+            scales = codes.scales[start:stop]
+            minimums = symmetric_minimums(scales, codes.bits)
+            if bool((minimums.isinf() & scales.isfinite()).any()):
+                zero = zero_code(codes.bits)
+                raise ModelLoadError(f"a matrix merging Q{codes.bits}_0 shards with others (held with float16 "
+                                     f"minimums) has a Q{codes.bits}_0 scale over {65504 // zero}: its minimum "
+                                     f"-{zero} * d overflows")
+            codes.minimums[start:stop].copy_(minimums)
         return codes
 
 

@@ -1,5 +1,6 @@
 """Our C++ CPU kernels (csrc/), compiled on first use by torch's extension builder and cached per machine:
-loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; it decides where they apply.
+loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; it decides where they apply
+(and the GGUF loader, loader/gguf/blocks.py, its Q4_0 / Q4_1 repacking).
 
 - decode attention (csrc/paged_decode_attention.cpp): torch has no paged attention for the CPU, and
   doing it with torch ops copied every sequence's K once per layer;
@@ -10,6 +11,8 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
   activations (csrc/quantized_matmul_a16.cpp, its formats in csrc/a16_formats.h):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix;
+- a GGUF's Q4_0 / Q4_1 blocks into the int4 kernels' nibble order at load (csrc/gguf_nibbles.cpp): the same
+  bytes as loader/gguf/blocks.py's torch ops, in one pass;
 - greedy decoding's argmax over the logits (csrc/row_argmax.cpp): torch's CPU argmax compares index by index;
 - the step's K and V into the pool (csrc/kv_write.cpp), both in one call: copied into a float pool, or each
   token's head rounded with its scale into an 8-bit one (~10 ops a tensor in torch).
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
             "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp",
-            "kv_write.cpp", "row_argmax.cpp", "quantized_matmul_a16.cpp")
+            "kv_write.cpp", "row_argmax.cpp", "quantized_matmul_a16.cpp", "gguf_nibbles.cpp")
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
@@ -240,6 +243,13 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> tor
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 times a plain [out, in] float32 weight -> [tokens, out]."""
     return _named("tinyserve::f32_matmul", load().f32_matmul, x, weight)
+
+
+def q4_nibble_codes(blocks: torch.Tensor, with_minimums: bool) -> list[torch.Tensor]:
+    """A GGUF Q4_0 (with_minimums False) or Q4_1 tensor's rows, uint8 [rows, 18 or 20 * blocks] contiguous ->
+    [codes [rows, 16 * blocks] uint8 in the int4 kernels' nibble order, scales [rows, blocks] float16] and Q4_1's
+    minimums: loader/gguf/blocks.py's nibble_codes in one pass."""
+    return load().q4_nibble_codes(blocks, with_minimums)
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from tinyserve.layers import ops
+from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6SuperblockCodes, NibbleCodes, SuperblockCodes
 
 # each type converted here -> the bits of the group codes it becomes
@@ -83,7 +85,18 @@ def nibble_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleC
     bytes hold weight j in byte j's low nibble and weight 16 + j in its high one; the kernels' chunk c, byte b
     holds weights 8c + b (low) and 8c + b + 4 (high). On the block's four 4-byte words W0-W3 (byte b of Wm is
     the block's byte 4m + b) that is chunk 0 = lo(W0) | lo(W1) << 4, chunk 1 = lo(W2) | lo(W3) << 4, chunk 2 =
-    hi(W0) >> 4 | hi(W1), chunk 3 = hi(W2) >> 4 | hi(W3), lo and hi the low and high nibble of each byte."""
+    hi(W0) >> 4 | hi(W1), chunk 3 = hi(W2) >> 4 | hi(W3), lo and hi the low and high nibble of each byte.
+    Where our kernels are built, one C++ pass does it (csrc/gguf_nibbles.cpp: the same bytes)."""
+    rows = data.shape[0]
+    if ops.has_cpu_kernels():
+        codes, scales, *minimums = cpu_kernels.q4_nibble_codes(
+            torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1), tensor_type in _WITH_MINIMUMS)
+        return NibbleCodes(codes, scales, minimums[0] if minimums else None)
+    return _nibble_codes_in_torch(tensor_type, data)
+
+
+def _nibble_codes_in_torch(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleCodes:
+    """nibble_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
     scales, minimums, at = _halves(blocks[..., 0:2]), None, 2

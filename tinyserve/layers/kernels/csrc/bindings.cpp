@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <vector>
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
@@ -38,6 +39,7 @@ torch::Tensor w5a16_superblock_matmul(const torch::Tensor& x, const torch::Tenso
 torch::Tensor w6a16_superblock_matmul(const torch::Tensor& x, const torch::Tensor& codes,
                                       const torch::Tensor& high_bits, const torch::Tensor& d,
                                       const torch::Tensor& sub_scales, int64_t out_features);
+std::vector<torch::Tensor> q4_nibble_codes(const torch::Tensor& blocks, bool with_minimums);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_pool, torch::Tensor& value_pool,
               const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& key_scale,
@@ -71,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x times a GGUF Q5_K weight (5-bit codes, Q4_K's super-block scales), x as it is");
   m.def("w6a16_superblock_matmul", &w6a16_superblock_matmul,
         "x times a GGUF Q6_K weight (6-bit codes, d per 256 inputs, int8 scales per 16), x as it is");
+  m.def("q4_nibble_codes", &q4_nibble_codes,
+        "a GGUF Q4_0 / Q4_1 tensor's blocks -> the int4 kernels' nibble order, scales (and Q4_1's minimums)");
   m.def("row_argmax", &row_argmax, "each row's first index of its largest value (NaN the largest), as torch.argmax");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }
