@@ -316,7 +316,8 @@ async def drain(loaded: ServedModel, timeout: float, is_hurried: Callable[[], bo
 async def _warm_up(engine: AsyncEngine) -> None:
     start = time.perf_counter()
     ids = engine.tokenizer.encode(WARMUP_PROMPT)
-    async for _ in engine.generate("warmup", ids, SamplingParams(max_tokens=4, temperature=0.0)):
+    # two tokens: one prefill step and one decode step, each path run once before the first request
+    async for _ in engine.generate("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0)):
         pass
     logger.info("warm-up generation took %.2fs", time.perf_counter() - start)
 
