@@ -123,10 +123,9 @@ def layer_caches(layout: KVLayout, slots: dict[int, KVCache]) -> list[KVCache | 
 def kv_cache_slots(config: ModelConfig, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                    device: torch.device, num_kv_heads: int | None = None,
                    layers: range | None = None) -> Iterator[tuple[int, KVCache]]:
-    """(slot, its pool) one slot at a time: filling a pool with zeros took a while where it touched every page
-    (on CUDA it still does), and a model loading beside others does it between their steps
-    (LLMEngine.build_in_pieces). Tensor and
-    pipeline parallel: a rank's own KV heads (num_kv_heads), and only the slots of its `layers`."""
+    """(slot, its pool) one slot at a time: filling a pool with zeros takes a while where it touches every page
+    (on CUDA), and a model loading beside others does it between their steps (LLMEngine.build_in_pieces).
+    Tensor and pipeline parallel: a rank's own KV heads (num_kv_heads), and only the slots of its `layers`."""
     heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     shape = (heads, num_blocks, block_size, config.head_dim)
     for slot in layout.slots_of(range(config.num_hidden_layers) if layers is None else layers):
@@ -139,7 +138,7 @@ def kv_cache_slots(config: ModelConfig, layout: KVLayout, num_blocks: int, block
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros; on the CPU in anonymous memory, which Linux zero-fills a page at a time as it is first
     written. torch.zeros writes every page at once: a 4 GiB pool took ~1.5 s of a start and was resident before
-    any request (docs/PERFORMANCE.md, "The KV pool's pages on first touch"). The tensor keeps the mapping alive."""
+    any request (docs/PERFORMANCE.md, "Time to ready: ... the KV pool's pages on first touch"). The tensor keeps the mapping alive."""
     if device.type != "cpu" or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -68,10 +68,9 @@ class StagedLinear:
     rows_left: int = field(init=False)  # of the weight, not written yet
     codes: FileCodes | None = None
     values: torch.Tensor | None = None
-    # 4 and 5 bits: whether a piece came with minimums (Q4_1, Q5_1, float rows); if none did (Q4_0, Q5_0), the
-    # format holds none (the symmetric rule), else the rows of the others (symmetric_rows, [start, stop) each)
-    # get theirs at build, -zero_code * scale, which overflows float16 for a scale over 65504 / zero_code
-    has_minimums: bool = False
+    # 4 and 5 bits: the rows of pieces without minimums ([start, stop) each: Q4_0, Q5_0). If every row is such
+    # a piece's, the format holds none (the symmetric rule); else these rows get theirs at build, -zero_code *
+    # scale, which overflows float16 for a scale over 65504 / zero_code
     symmetric_rows: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -140,8 +139,6 @@ class StagedLinear:
             if isinstance(piece, (GroupCodes, NibbleCodes)) and piece.bits != 8:
                 if piece.minimums is None:
                     self.symmetric_rows.append((row, stop))
-                else:
-                    self.has_minimums = True
             for part in dataclasses.fields(piece):  # codes, scales, ...; a GroupCodes' bits and absent minimums
                 value = getattr(piece, part.name)
                 if isinstance(value, torch.Tensor):
@@ -170,7 +167,7 @@ class StagedLinear:
         computed now), if every one is finite."""
         if not isinstance(codes, (GroupCodes, NibbleCodes)) or codes.bits == 8:
             return codes
-        if not self.has_minimums:
+        if sum(stop - start for start, stop in self.symmetric_rows) == self.shape[0]:
             return dataclasses.replace(codes, minimums=None)
         for start, stop in self.symmetric_rows:
             scales = codes.scales[start:stop]

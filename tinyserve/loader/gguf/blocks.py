@@ -36,7 +36,6 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tinyserve.layers import ops
-from tinyserve.layers.kernels import cpu_kernels
 from tinyserve.layers.quant import GroupCodes, Int5SuperblockCodes, Int6SuperblockCodes, NibbleCodes, SuperblockCodes
 
 # each type converted here -> the bits of the group codes it becomes
@@ -89,7 +88,7 @@ def nibble_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleC
     Where our kernels are built, one C++ pass does it (csrc/gguf_nibbles.cpp: the same bytes)."""
     rows = data.shape[0]
     if ops.has_cpu_kernels():
-        codes, scales, *minimums = cpu_kernels.q4_nibble_codes(
+        codes, scales, *minimums = ops.cpu_kernels.q4_nibble_codes(
             torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1), tensor_type in _WITH_MINIMUMS)
         return NibbleCodes(codes, scales, minimums[0] if minimums else None)
     return _nibble_codes_in_torch(tensor_type, data)

@@ -1,10 +1,7 @@
-// A GGUF Q4_0 / Q4_1 tensor's blocks -> NibbleCodes' parts (layers/quant.py), as loader/gguf/blocks.py's
-// nibble_codes computes them with torch ops, in one pass over the file's bytes: per block of 32 weights, its
-// float16 d (and Q4_1's m) and its 16 code bytes regrouped into the int4 kernels' chunk order. A block's code
-// bytes, read as four little-endian words W0-W3 (byte b of Wm: the block's byte 4m + b, holding weight 4m + b in
-// its low nibble and 16 + 4m + b in its high one), become chunk 0 = lo(W0) | lo(W1) << 4, chunk 1 = lo(W2) |
-// lo(W3) << 4, chunk 2 = hi(W0) >> 4 | hi(W1), chunk 3 = hi(W2) >> 4 | hi(W3) (lo, hi: each byte's low and high
-// nibble), so that chunk c's byte b holds weights 8c + b (low nibble) and 8c + b + 4 (high).
+// A GGUF Q4_0 / Q4_1 tensor's blocks -> NibbleCodes' parts (layers/quant.py), in one pass over the file's bytes:
+// per block of 32 weights, its float16 d (and Q4_1's m) and its 16 code bytes regrouped into the int4 kernels'
+// chunk order by the word operations loader/gguf/blocks.py's nibble_codes describes (and runs in torch ops where
+// the kernels are not built; tests/test_gguf_blocks.py holds the two to the same bytes).
 // Why here: the torch ops took ~0.5 s of a 1B model's ~5 s start (a copy to align the codes, a dozen word ops
 // over the whole tensor, a stack), this pass a few tens of ms.
 
