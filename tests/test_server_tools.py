@@ -190,9 +190,9 @@ def _tool(name: str, parameters: dict) -> dict:
 
 
 def _ref_chain(depth: int) -> dict:
-    """A $ref chain `depth` long; the parameters sit under the call schema's `arguments`, so its pointers
-    go through there (they resolve, and the old server's compile overflowed its stack on them)."""
-    at = "#/properties/arguments/$defs"
+    """A $ref chain `depth` long, its pointers into the parameters schema as clients write them (the old server's
+    compile overflowed its stack on it)."""
+    at = "#/$defs"
     defs = {f"d{i}": {"type": "array", "items": {"$ref": f"{at}/d{i + 1}"}} for i in range(depth)}
     defs[f"d{depth}"] = {"type": "integer"}
     return {"type": "object", "properties": {"x": {"$ref": f"{at}/d0"}}, "$defs": defs}
@@ -213,6 +213,24 @@ def test_a_forced_call_over_the_grammar_budget_is_a_quick_400_and_the_server_liv
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("invalid_grammar", "tools") and limit in error["message"], error
     _assert_alive(server)
+
+
+PLACE = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+TRIP = {"type": "object", "properties": {"origin": {"$ref": "#/$defs/place"}, "destination": {"$ref": "#/$defs/place"}},
+        "required": ["origin", "destination"], "$defs": {"place": PLACE}}
+
+
+def test_a_forced_call_s_parameters_resolve_their_own_defs(client):
+    """`#/$defs/...` points into the parameters schema (pydantic and the OpenAI SDK write such schemas); the call's
+    grammar holds the parameters under `arguments`, so its refs are rebased there (before, they did not resolve)."""
+    response = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Plan a trip from Paris to Rome."}],
+        tools=[_tool("plan_trip", TRIP)], tool_choice="required", temperature=0.0, max_tokens=120)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "plan_trip"
+    jsonschema.validate(json.loads(call.function.arguments), TRIP)
 
 
 def _assert_alive(server) -> None:

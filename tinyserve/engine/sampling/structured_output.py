@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import llguidance
@@ -210,19 +210,29 @@ def _grammar_text(spec: StructuredOutput) -> str:
 
 def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that has `properties` and
-    leaves extra keys unsaid; subschemas are found by keyword, so a property named "properties" is a name."""
+    leaves extra keys unsaid."""
+    def closed(out: dict) -> dict:
+        if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
+            out["additionalProperties"] = False
+        return out
+
+    return each_subschema(schema, closed)
+
+
+def each_subschema(schema: Any, change: Callable[[dict], dict]) -> Any:
+    """A copy of the schema with `change` applied to it and to every subschema (each given a copy of its own
+    keys); subschemas are found by keyword, so a property named "properties" is a name."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
-        out["additionalProperties"] = False
+    out = change(dict(schema))
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+            out[key] = {name: each_subschema(sub, change) for name, sub in out[key].items()}
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(sub) for sub in out[key]]
+            out[key] = [each_subschema(sub, change) for sub in out[key]]
     for key in SCHEMA_VALUES:
         if key in out:
-            out[key] = [closed_objects(s) for s in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
+            value = out[key]
+            out[key] = [each_subschema(s, change) for s in value] if isinstance(value, list) else each_subschema(value, change)
     return out

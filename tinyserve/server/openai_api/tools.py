@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyserve.engine.sampling.structured_output import closed_objects
+from tinyserve.engine.sampling.structured_output import closed_objects, each_subschema
 from tinyserve.server.errors import BadRequest
 from tinyserve.types import StructuredOutput
 
@@ -151,8 +151,24 @@ class ToolPlan:
 
 def _call_schema(function: FunctionDefinition) -> dict:
     parameters = closed_objects(function.parameters or {"type": "object", "properties": {}})
+    parameters = _refs_under(parameters, _ARGUMENTS_POINTER)
     return {"type": "object", "properties": {"name": {"const": function.name}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_LAYOUT}
+
+
+_ARGUMENTS_POINTER = "#/properties/arguments"  # where the parameters schema sits in a call's schema
+
+
+def _refs_under(schema: Any, pointer: str) -> Any:
+    """The schema with each local `$ref` ("#", "#/$defs/x": pointers into the parameters schema, as clients write
+    them) pointing below `pointer`, where the call's schema holds it. Other refs stay as they are."""
+    def rebased(out: dict) -> dict:
+        ref = out.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = pointer + ref[1:]
+        return out
+
+    return each_subschema(schema, rebased)
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ParsedCall]]:
