@@ -20,8 +20,9 @@ from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.quant import (Int4SuperblockWeight, Int4Weight, Int5SuperblockWeight, Int5Weight,
                                    Int6SuperblockWeight, Int8Weight, int4_group_codes)
-from tinyserve.loader.gguf.blocks import (group_codes, int5_superblock_codes, int6_superblock_codes,
-                                          superblock_codes)
+from tinyserve.loader.gguf.blocks import (_int5_superblock_codes_in_torch, _int6_superblock_codes_in_torch,
+                                          _superblock_codes_in_torch, group_codes, int5_superblock_codes,
+                                          int6_superblock_codes, superblock_codes)
 from tinyserve.loader.gguf.checkpoint import open_gguf
 
 ROWS, COLS = 21, 512  # odd rows (two blocks of 16, the second padded), two super-blocks a row
@@ -61,6 +62,25 @@ def test_superblock_codes_stand_for_the_file_s_values_exactly():
     assert torch.equal(values, torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_K)))
     exact = torch.from_numpy(REFERENCES[Q.Q4_K](blocks.reshape(-1, BLOCK_BYTES))).reshape(ROWS, COLS)
     assert ((values.double() - exact).abs() <= 2.0 ** -24 * exact.abs()).all()
+
+
+@needs_int_kernels
+@pytest.mark.parametrize("qtype, fast, torch_ops", [
+    (Q.Q4_K, superblock_codes, _superblock_codes_in_torch),
+    (Q.Q5_K, int5_superblock_codes, _int5_superblock_codes_in_torch),
+    (Q.Q6_K, int6_superblock_codes, _int6_superblock_codes_in_torch)], ids=lambda v: getattr(v, "name", ""))
+@pytest.mark.parametrize("rows", [1, 3, ROWS])
+def test_the_c_plus_plus_pass_gives_the_torch_ops_bytes(qtype, fast, torch_ops, rows):
+    """The K-quants' one C++ pass (csrc/gguf_nibbles.cpp, where the kernels are built) against their torch ops:
+    every field the same, bit for bit (float16 fields compared as their bits)."""
+    blocks = random_rows(qtype, seed=7)[:rows]
+    got, want = fast(blocks), torch_ops(blocks)
+    assert type(got) is type(want)
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        assert a.dtype == b.dtype and a.shape == b.shape, field.name
+        bits = torch.int16 if a.dtype == torch.float16 else a.dtype
+        assert torch.equal(a.view(bits), b.view(bits)), field.name
 
 
 @needs_int_kernels

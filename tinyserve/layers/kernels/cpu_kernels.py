@@ -11,8 +11,8 @@ loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; i
   activations (csrc/quantized_matmul_a16.cpp, its formats in csrc/a16_formats.h):
   weights interleaved 16 rows per vector lane, read at close to memory speed (docs/PERFORMANCE.md); and
   in float32 for steps of a few tokens (csrc/f32_matmul.cpp), on torch's own [out, in] matrix;
-- a GGUF's Q4_0 / Q4_1 blocks into the int4 kernels' nibble order at load (csrc/gguf_nibbles.cpp): the same
-  bytes as loader/gguf/blocks.py's torch ops, in one pass;
+- a GGUF's Q4_0 / Q4_1 blocks and Q4_K / Q5_K / Q6_K super-blocks into the kernels' nibble order at load
+  (csrc/gguf_nibbles.cpp): the same bytes as loader/gguf/blocks.py's torch ops, in one pass;
 - greedy decoding's argmax over the logits (csrc/row_argmax.cpp): torch's CPU argmax compares index by index;
 - the step's K and V into the pool (csrc/kv_write.cpp), both in one call: copied into a float pool, or each
   token's head rounded with its scale into an 8-bit one (~10 ops a tensor in torch).
@@ -250,6 +250,19 @@ def q4_nibble_codes(blocks: torch.Tensor, with_minimums: bool) -> list[torch.Ten
     [codes [rows, 16 * blocks] uint8 in the int4 kernels' nibble order, scales [rows, blocks] float16] and Q4_1's
     minimums: loader/gguf/blocks.py's nibble_codes in one pass."""
     return load().q4_nibble_codes(blocks, with_minimums)
+
+
+def q45_k_codes(blocks: torch.Tensor, five_bits: bool) -> list[torch.Tensor]:
+    """A GGUF Q4_K (five_bits False) or Q5_K tensor's rows, uint8 [rows, 144 or 176 * super-blocks] contiguous ->
+    [codes, d, dmin, sub_scales, sub_mins] (and Q5_K's high_bits) as SuperblockCodes (Int5SuperblockCodes) hold
+    them: loader/gguf/blocks.py's superblock_codes (int5_superblock_codes) in one pass."""
+    return load().q45_k_codes(blocks, five_bits)
+
+
+def q6_k_codes(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """A GGUF Q6_K tensor's rows, uint8 [rows, 210 * super-blocks] contiguous -> [codes, high_bits, d, sub_scales]
+    as Int6SuperblockCodes holds them: loader/gguf/blocks.py's int6_superblock_codes in one pass."""
+    return load().q6_k_codes(blocks)
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -86,10 +86,8 @@ def nibble_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleC
     the block's byte 4m + b) that is chunk 0 = lo(W0) | lo(W1) << 4, chunk 1 = lo(W2) | lo(W3) << 4, chunk 2 =
     hi(W0) >> 4 | hi(W1), chunk 3 = hi(W2) >> 4 | hi(W3), lo and hi the low and high nibble of each byte.
     Where our kernels are built, one C++ pass does it (csrc/gguf_nibbles.cpp: the same bytes)."""
-    rows = data.shape[0]
     if ops.has_cpu_kernels():
-        codes, scales, *minimums = ops.cpu_kernels.q4_nibble_codes(
-            torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1), tensor_type in _WITH_MINIMUMS)
+        codes, scales, *minimums = ops.cpu_kernels.q4_nibble_codes(_byte_rows(data), tensor_type in _WITH_MINIMUMS)
         return NibbleCodes(codes, scales, minimums[0] if minimums else None)
     return _nibble_codes_in_torch(tensor_type, data)
 
@@ -114,7 +112,15 @@ _Q4_K_WORDS = 36  # 144 bytes: words 0 (d, dmin), 1-3 (the packed 6-bit values),
 def superblock_codes(data: np.ndarray) -> SuperblockCodes:
     """data: a Q4_K tensor's rows as bytes, uint8 [rows, 144 * super-blocks] -> their SuperblockCodes. The bit
     work runs on 4-byte words (the masks repeat per byte; x86 is little-endian, so a word's byte k is the
-    block's byte 4w + k): a fourth of the ops of a byte-wise pass, on wider rows."""
+    block's byte 4w + k): a fourth of the ops of a byte-wise pass, on wider rows. Where our kernels are built, one
+    C++ pass does it (csrc/gguf_nibbles.cpp: the same bytes), as for the three below."""
+    if ops.has_cpu_kernels():
+        return SuperblockCodes(*ops.cpu_kernels.q45_k_codes(_byte_rows(data), False))
+    return _superblock_codes_in_torch(data)
+
+
+def _superblock_codes_in_torch(data: np.ndarray) -> SuperblockCodes:
+    """superblock_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q4_K_WORDS * 4)
     words = blocks.view(torch.int32)  # [rows, super-blocks, 36]
@@ -141,6 +147,13 @@ _Q5_K_WORDS = 44  # 176 bytes: Q4_K's words 0-3, then 4-11 (qh), 12-43 (the low 
 def int5_superblock_codes(data: np.ndarray) -> Int5SuperblockCodes:
     """data: a Q5_K tensor's rows as bytes, uint8 [rows, 176 * super-blocks] -> their Int5SuperblockCodes, on
     4-byte words as superblock_codes."""
+    if ops.has_cpu_kernels():
+        return Int5SuperblockCodes(*ops.cpu_kernels.q45_k_codes(_byte_rows(data), True))
+    return _int5_superblock_codes_in_torch(data)
+
+
+def _int5_superblock_codes_in_torch(data: np.ndarray) -> Int5SuperblockCodes:
+    """int5_superblock_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q5_K_WORDS * 4)
     words = blocks.view(torch.int32)  # [rows, super-blocks, 44]
@@ -174,6 +187,13 @@ _Q6_K_BYTES = 210  # ql 0-127, qh 128-191, scales 192-207, d 208-209
 def int6_superblock_codes(data: np.ndarray) -> Int6SuperblockCodes:
     """data: a Q6_K tensor's rows as bytes, uint8 [rows, 210 * super-blocks] -> their Int6SuperblockCodes, on
     4-byte words as superblock_codes."""
+    if ops.has_cpu_kernels():
+        return Int6SuperblockCodes(*ops.cpu_kernels.q6_k_codes(_byte_rows(data)))
+    return _int6_superblock_codes_in_torch(data)
+
+
+def _int6_superblock_codes_in_torch(data: np.ndarray) -> Int6SuperblockCodes:
+    """int6_superblock_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
     blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q6_K_BYTES)
     d = _halves(blocks[..., 208:210])
@@ -194,6 +214,11 @@ def int6_superblock_codes(data: np.ndarray) -> Int6SuperblockCodes:
 # the K-quant types whose super-blocks convert to a W4A16 format's codes here -> the conversion
 SUPERBLOCK_CODES = {GGMLQuantizationType.Q4_K: superblock_codes, GGMLQuantizationType.Q5_K: int5_superblock_codes,
                     GGMLQuantizationType.Q6_K: int6_superblock_codes}
+
+
+def _byte_rows(data: np.ndarray) -> torch.Tensor:
+    """A tensor's rows of bytes as the C++ passes take them: uint8 [rows, bytes per row], contiguous."""
+    return torch.from_numpy(np.ascontiguousarray(data)).reshape(data.shape[0], -1)
 
 
 def _per_byte(mask: int) -> int:

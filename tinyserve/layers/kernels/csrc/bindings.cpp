@@ -40,6 +40,8 @@ torch::Tensor w6a16_superblock_matmul(const torch::Tensor& x, const torch::Tenso
                                       const torch::Tensor& high_bits, const torch::Tensor& d,
                                       const torch::Tensor& sub_scales, int64_t out_features);
 std::vector<torch::Tensor> q4_nibble_codes(const torch::Tensor& blocks, bool with_minimums);
+std::vector<torch::Tensor> q45_k_codes(const torch::Tensor& blocks, bool five_bits);
+std::vector<torch::Tensor> q6_k_codes(const torch::Tensor& blocks);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_pool, torch::Tensor& value_pool,
               const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& key_scale,
@@ -75,6 +77,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x times a GGUF Q6_K weight (6-bit codes, d per 256 inputs, int8 scales per 16), x as it is");
   m.def("q4_nibble_codes", &q4_nibble_codes,
         "a GGUF Q4_0 / Q4_1 tensor's blocks -> the int4 kernels' nibble order, scales (and Q4_1's minimums)");
+  m.def("q45_k_codes", &q45_k_codes,
+        "a GGUF Q4_K / Q5_K tensor's super-blocks -> codes in the int4 kernels' nibble order, d, dmin, the "
+        "sub-blocks' scales and minimums (and Q5_K's high bits in the kernels' plane)");
+  m.def("q6_k_codes", &q6_k_codes,
+        "a GGUF Q6_K tensor's super-blocks -> low 4 bits in the int4 kernels' nibble order, the high 2 bits' "
+        "plane, d, int8 scales");
   m.def("row_argmax", &row_argmax, "each row's first index of its largest value (NaN the largest), as torch.argmax");
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf on the logits of tokens a grammar's bitmask forbids");
 }
