@@ -61,7 +61,7 @@ def group_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> GroupCod
     if CODE_BITS[tensor_type] == 4:
         return nibble_codes(tensor_type, data).unpacked()
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
+    blocks = _byte_rows(data).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
     scales = _halves(blocks[..., 0:2])
     if tensor_type == GGMLQuantizationType.Q8_0:
         words = blocks[..., 2:].contiguous().view(torch.int32)
@@ -95,7 +95,7 @@ def nibble_codes(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleC
 def _nibble_codes_in_torch(tensor_type: GGMLQuantizationType, data: np.ndarray) -> NibbleCodes:
     """nibble_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
+    blocks = _byte_rows(data).reshape(rows, -1, _BLOCK_BYTES[tensor_type])
     scales, minimums, at = _halves(blocks[..., 0:2]), None, 2
     if tensor_type in _WITH_MINIMUMS:
         minimums, at = _halves(blocks[..., 2:4]), 4
@@ -122,7 +122,7 @@ def superblock_codes(data: np.ndarray) -> SuperblockCodes:
 def _superblock_codes_in_torch(data: np.ndarray) -> SuperblockCodes:
     """superblock_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q4_K_WORDS * 4)
+    blocks = _byte_rows(data).reshape(rows, -1, _Q4_K_WORDS * 4)
     words = blocks.view(torch.int32)  # [rows, super-blocks, 36]
     codes = _nibble_runs(words[..., 4:])  # [row, super-block, s, sub-block 2s + (0, 1), c]
     return SuperblockCodes(_bytes(codes, rows), *_superblock_scales(blocks, words))
@@ -155,7 +155,7 @@ def int5_superblock_codes(data: np.ndarray) -> Int5SuperblockCodes:
 def _int5_superblock_codes_in_torch(data: np.ndarray) -> Int5SuperblockCodes:
     """int5_superblock_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q5_K_WORDS * 4)
+    blocks = _byte_rows(data).reshape(rows, -1, _Q5_K_WORDS * 4)
     words = blocks.view(torch.int32)  # [rows, super-blocks, 44]
     codes = _nibble_runs(words[..., 12:])
     # qh byte l holds input l of sub-block j at bit j; the high plane's word for sub-block j holds its inputs
@@ -195,7 +195,7 @@ def int6_superblock_codes(data: np.ndarray) -> Int6SuperblockCodes:
 def _int6_superblock_codes_in_torch(data: np.ndarray) -> Int6SuperblockCodes:
     """int6_superblock_codes in torch ops, where our kernels are not built."""
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(rows, -1, _Q6_K_BYTES)
+    blocks = _byte_rows(data).reshape(rows, -1, _Q6_K_BYTES)
     d = _halves(blocks[..., 208:210])
     sub_scales = blocks[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
     # ql's runs of 32 bytes hold quarters (0, 2), (1, 3) of the first half, then of the second: groups

@@ -1,8 +1,8 @@
-// A GGUF tensor's 4-bit codes -> the int4 kernels' formats (layers/quant.py), in one pass over the file's bytes.
+// A GGUF tensor's blocks -> the kernels' formats (layers/quant.py), in one pass over the file's bytes.
 // Q4_0 / Q4_1: per block of 32 weights, its float16 d (and Q4_1's m) and its 16 code bytes regrouped into the
 // int4 kernels' chunk order by the word operations loader/gguf/blocks.py's nibble_codes describes. Q4_K, Q5_K and
-// Q6_K: below. blocks.py runs each in torch ops where the kernels are not built; tests/test_gguf_blocks.py holds
-// the two to the same bytes.
+// Q6_K: below. blocks.py runs each in torch ops where the kernels are not built; tests/test_gguf_blocks.py (Q4_x)
+// and tests/test_gguf_q4_k.py (the K-quants) hold the two to the same bytes.
 // Why here: the torch ops took ~0.5 s of a 1B Q4_0 model's ~5 s start (a copy to align the codes, a dozen word
 // ops over the whole tensor, a stack), this pass a few tens of ms.
 
