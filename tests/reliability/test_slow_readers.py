@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import resource
 import socket
 import statistics
@@ -96,6 +97,14 @@ async def _normal_ttfts(base_url: str, until: float, refusals: list[str]) -> lis
     return ttfts
 
 
+def _nearest_rank_p99(values: list[float]) -> float:
+    """The smallest value at or above 99% of the samples: of 100+ requests, one may be slow (a p99, not a
+    max; statistics.quantiles interpolates toward the largest sample, so one 2 s hiccup of the host in
+    100 requests failed a bar that 99 fast requests met)."""
+    ordered = sorted(values)
+    return ordered[math.ceil(0.99 * len(ordered)) - 1]
+
+
 def _poll(condition, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -175,7 +184,7 @@ def test_slow_readers_idle_connections_and_slow_bodies(default_tokenizer):
         stop.set()
         trickler.join()
         growth = max(peak_rss) - rss_before
-        p99 = statistics.quantiles(ttfts, n=100)[98] if len(ttfts) >= 2 else ttfts[0]
+        p99 = _nearest_rank_p99(ttfts)
         print(f"slow readers: RSS {rss_before:.0f} MiB -> peak +{growth:.0f} MiB; normal TTFT p50 "
               f"{statistics.median(ttfts) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms over {len(ttfts)} requests; "
               f"refused first: {refusals}")
@@ -186,7 +195,8 @@ def test_slow_readers_idle_connections_and_slow_bodies(default_tokenizer):
                 s.close()
         print(f"closed by the server: {closed}")
         assert growth < 500, growth
-        assert p99 < 2.0, ttfts
+        assert len(ttfts) >= 100, f"too few normal requests for a p99: {len(ttfts)}"
+        assert p99 < 2.0, sorted(ttfts)[-5:]
         assert closed == {"slow streams": NUM_SLOW_STREAMS, "idle": NUM_IDLE, "slow bodies": NUM_SLOW_BODIES}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (server.state.engine.num_in_flight
