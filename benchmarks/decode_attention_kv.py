@@ -1,6 +1,6 @@
 """Decode attention over a bfloat16 pool and over the 8-bit pool (`--kv-cache-dtype int8`), side by side:
 one layer of SmolLM2's shape (9 query / 3 KV heads, head_dim 64), blocks scattered over the pool, our C++
-kernel (layers/kernels/csrc/paged_decode_attention.cpp). Prints the median call time and the K/V bytes it read per
+kernel (layers/kernels/csrc/paged_attention.cpp). Prints the median call time and the K/V bytes it read per
 second (codes and scales for int8). docs/PERFORMANCE.md, "8-bit KV cache", quotes it.
 
     .venv/bin/python benchmarks/decode_attention_kv.py
@@ -55,7 +55,7 @@ def main() -> None:
         row = {name: [] for name in pools}
         for _ in range(3):  # interleaved rounds, so both see the same machine
             for name, pool in pools.items():
-                row[name].append(_median_ms(lambda: ops.paged_decode_attention(q, pool, tables, lens, 0.125, None)))
+                row[name].append(_median_ms(lambda: ops.cpu_paged_attention(q, pool, tables, lens, None, 0.125, None)))
         tokens = int(lens.sum())
         ms = {name: statistics.median(times) for name, times in row.items()}
         gbs = {name: 2 * tokens * KV_HEADS * row_bytes[name] / (ms[name] * 1e-3) / 1e9 for name in ms}

@@ -31,7 +31,7 @@ def runner_without_model(config, layout: KVLayout, num_blocks: int) -> ModelRunn
     stage.block_size, stage.num_blocks, stage.layout = BLOCK, num_blocks, layout
     stage.num_heads, stage.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
     stage.group_windows = layout.group_layer_windows(config.layer_sliding_windows())
-    stage.kv_caches, stage.decode_kernel = (None,) * config.num_hidden_layers, True
+    stage.kv_caches, stage.cpu_attention = (None,) * config.num_hidden_layers, True
     return runner
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from tinyserve.engine.greedy_reference import forward_sequence, greedy_generate
-from tinyserve.layers.ops import decode_kernel_applies
+from tinyserve.layers.ops import cpu_attention_applies
 from tinyserve.loader.model_loader import load_model
 from tinyserve.models.registry import device_and_dtype
 
@@ -45,8 +45,8 @@ PROMPTS = [
 ]
 
 
-def perplexity(model, ids: list[int], decode_kernel: bool, kv_dtype: torch.dtype | None) -> float:
-    logits = forward_sequence(model, ids, step_tokens=1, decode_kernel=decode_kernel, kv_dtype=kv_dtype)
+def perplexity(model, ids: list[int], cpu_attention: bool, kv_dtype: torch.dtype | None) -> float:
+    logits = forward_sequence(model, ids, step_tokens=1, cpu_attention=cpu_attention, kv_dtype=kv_dtype)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item())
 
@@ -75,8 +75,8 @@ def main() -> None:
         # The speed modes decode as the engine does (our C++ decode attention on CPU); the float32
         # reference keeps the plain torch ops.
         device, model_dtype = device_and_dtype(loaded.model)
-        kernel = dtype != "float32" and decode_kernel_applies(device, model_dtype, loaded.config.head_dim)
-        outputs = [greedy_generate(loaded.model, ids, args.max_tokens, decode_kernel=kernel, kv_dtype=kv_dtype)
+        kernel = dtype != "float32" and cpu_attention_applies(device, model_dtype, loaded.config.head_dim)
+        outputs = [greedy_generate(loaded.model, ids, args.max_tokens, cpu_attention=kernel, kv_dtype=kv_dtype)
                    for ids in prompts]
         ppl = perplexity(loaded.model, tokenizer.encode(TEXT.read_text()), kernel, kv_dtype)
         # the first token comes from the prompt's prefill step: its logits, against float32's

@@ -30,7 +30,7 @@ LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "tinyserve
               "tinyserve::w6a16_superblock_matmul"}
 ATTENTION_OPS = {"aten::bmm", "aten::index_select", "aten::_softmax", "aten::index_copy_", "aten::_embedding_bag",
                  "aten::_embedding_bag_forward_only",
-                 "aten::_scaled_dot_product_flash_attention_for_cpu", "tinyserve::paged_decode_attention",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu", "tinyserve::paged_attention",
                  "tinyserve::write_kv"}
 ELEMENTWISE_OPS = {"tinyserve::rms_norm", "tinyserve::add_rms_norm", "tinyserve::rotary", "tinyserve::silu_and_mul"}
 

@@ -30,7 +30,7 @@ def _dense_causal(q, k, v, scale, window=None):
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 
-def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=BLOCK,
+def _build(seqs, dtype, seed=0, cpu_attention=False, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=BLOCK,
            window=None, tables_out=None):
     """seqs: list of (cached_len, new_len). Blocks handed out in a shuffled order (scattered tables); each
     sequence's whole table is appended to `tables_out` (the step's window tables hold only the window's)."""
@@ -56,7 +56,7 @@ def _build(seqs, dtype, seed=0, decode_kernel=False, heads=HEADS, kv_heads=KV_HE
     meta = AttentionMetadata.build(
         [torch.cat(slots).tolist()], [tables], [c + n for c, n in seqs], [n for _, n in seqs], block_size=block,
         num_blocks=num_blocks, num_heads=heads, num_kv_heads=kv_heads, device=torch.device("cpu"),
-        decode_kernel=decode_kernel, kv_caches=[cache], group_windows=[(window,)],
+        cpu_attention=cpu_attention, kv_caches=[cache], group_windows=[(window,)],
     )
     k_step, v_step = torch.cat(k_new), torch.cat(v_new)
     write_kv(cache, k_step, v_step, meta.groups[0].slot_mapping)
@@ -77,17 +77,17 @@ MIXES = [
 
 def test_decode_kernel_builds_on_this_cpu():
     assert cpu_kernels.load() is not None  # g++ and ninja come with `make setup`
-    assert ops.decode_kernel_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
-    assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
-    assert not ops.decode_kernel_applies(torch.device("cpu"), torch.float32, 24)
+    assert ops.cpu_attention_applies(torch.device("cpu"), torch.bfloat16, HEAD_DIM)
+    assert not ops.cpu_attention_applies(torch.device("cpu"), torch.float16, HEAD_DIM)
+    assert not ops.cpu_attention_applies(torch.device("cpu"), torch.float32, 24)
 
 
 @pytest.mark.parametrize("window", [None, 5, 1], ids=["full", "window-5", "window-1"])
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("seqs", MIXES)
-def test_paged_equals_reference_and_dense(seqs, decode_kernel, window):
+def test_paged_equals_reference_and_dense(seqs, cpu_attention, window):
     """Window 5 over blocks of 4 starts mid-block; window 1 is each token alone."""
-    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window)
+    cache, meta, q, k, v, full = _build(seqs, torch.float32, cpu_attention=cpu_attention, window=window)
     scale = HEAD_DIM**-0.5
     ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v, window)
     ref = reference_paged_attention(q, cache, meta, scale, window)
@@ -99,10 +99,10 @@ def test_paged_equals_reference_and_dense(seqs, decode_kernel, window):
         start += new
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
-def test_bfloat16_close_to_float32_reference(decode_kernel):
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["kernel", "torch-ops"])
+def test_bfloat16_close_to_float32_reference(cpu_attention):
     seqs = [(9, 1), (2, 1), (40, 1), (0, 11), (6, 7)]
-    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=3, decode_kernel=decode_kernel)
+    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=3, cpu_attention=cpu_attention)
     scale = HEAD_DIM**-0.5
     ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v).float()
     ref = reference_paged_attention(q, cache, meta, scale).float()
@@ -115,7 +115,7 @@ def test_bfloat16_decode_kernel_at_model_sizes(block, heads, head_dim):
     """The kernel in bfloat16 at the head sizes of real models (it is compiled per head size): blocks of
     8, 16 and 48 rows, lengths that end mid-block; 3 query heads per KV head (SmolLM2), 2, and 8."""
     seqs = [(c, 1) for c in (300, 47, 16, 15, 1, 0)]
-    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=block + head_dim, decode_kernel=True, heads=heads,
+    cache, meta, q, k, v, _ = _build(seqs, torch.bfloat16, seed=block + head_dim, cpu_attention=True, heads=heads,
                                      kv_heads=3, head_dim=head_dim, block=block)
     scale = head_dim**-0.5
     ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v).float()
@@ -134,15 +134,15 @@ def test_causal_mask_with_a_window_from_a_first_key():
     assert mask.tolist() == [[False, True, True, False], [False, False, True, True]]
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
-def test_a_window_reads_no_block_before_it(decode_kernel):
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["kernel", "torch-ops"])
+def test_a_window_reads_no_block_before_it(cpu_attention):
     """NaN in every block that ends before the window of a sequence's first query this step: the result
     must not change (a NaN read is never masked away: NaN + -inf is NaN). Block 0 is spared: it pads the
     block tables, and the decode groups read it (masked) past a short sequence's end."""
     window = 6
     seqs = [(30, 1), (17, 1), (3, 1), (20, 5), (9, 12), (0, 13)]
     tables = []
-    cache, meta, q, k, v, full = _build(seqs, torch.float32, decode_kernel=decode_kernel, window=window,
+    cache, meta, q, k, v, full = _build(seqs, torch.float32, cpu_attention=cpu_attention, window=window,
                                         tables_out=tables)
     for i, (cached, _) in enumerate(seqs):
         for b in range(max(0, cached + 1 - window) // BLOCK):
@@ -168,14 +168,14 @@ def test_decode_kernel_with_a_window_against_dense(window, dtype):
     that read one would return NaN. Windows shorter than a block, unaligned, aligned, past every length."""
     seqs = [(c, 1) for c in (40, 23, 16, 15, 3, 0)]
     tables = []
-    cache, meta, q, k, v, full = _build(seqs, dtype, seed=window, decode_kernel=True, window=window,
+    cache, meta, q, k, v, full = _build(seqs, dtype, seed=window, cpu_attention=True, window=window,
                                         tables_out=tables)
     for i, (cached, _) in enumerate(seqs):
         for p in range(max(0, cached + 1 - window)):
             block = tables[i][p // BLOCK]
             cache.key[:, block, p % BLOCK] = float("nan")
             cache.value[:, block, p % BLOCK] = float("nan")
-    ours = cpu_kernels.paged_decode_attention(q, cache.key, cache.value, meta.groups[0].block_tables, meta.seq_lens,
+    ours = cpu_kernels.paged_attention(q, cache.key, cache.value, meta.groups[0].block_tables, meta.seq_lens,
                                               HEAD_DIM**-0.5, window).float()
     dense = torch.stack([_dense_causal(fq.float(), fk.float(), fv.float(), HEAD_DIM**-0.5, window)[-1]
                          for fq, fk, fv in full])
@@ -186,7 +186,7 @@ def test_decode_kernel_with_a_window_against_dense(window, dtype):
 def test_decode_kernel_refuses_a_window_below_one():
     q, cache, tables, seq_lens = _kernel_inputs()
     with pytest.raises(RuntimeError, match="window must be >= 1"):
-        cpu_kernels.paged_decode_attention(q, cache.key, cache.value, tables, seq_lens, 1.0, 0)
+        cpu_kernels.paged_attention(q, cache.key, cache.value, tables, seq_lens, 1.0, 0)
 
 
 def test_decode_groups_split_evenly_and_pad_to_their_own_longest():
@@ -221,13 +221,13 @@ def test_the_decode_plan_is_complete_before_the_forward():
 def _kernel_inputs(with_meta=False):
     """Valid inputs for the C++ decode kernel, called directly (no metadata checks in front of it)."""
     seqs = [(9, 1), (4, 1), (0, 1)]  # 10, 5 and 1 tokens: 3, 2 and 1 blocks of 4
-    cache, meta, q, *_ = _build(seqs, torch.float32, decode_kernel=True)
+    cache, meta, q, *_ = _build(seqs, torch.float32, cpu_attention=True)
     inputs = q, cache, meta.groups[0].block_tables.clone(), meta.seq_lens.clone()
     return (*inputs, meta) if with_meta else inputs
 
 
 def _decode(q, cache, tables, seq_lens):
-    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, tables, seq_lens, HEAD_DIM**-0.5)
+    return cpu_kernels.paged_attention(q, cache.key, cache.value, tables, seq_lens, HEAD_DIM**-0.5)
 
 
 def test_decode_kernel_accepts_the_valid_inputs():
@@ -260,15 +260,15 @@ def test_decode_kernel_refuses_zero_sizes_it_would_divide_by():
     no_rows = torch.empty(cache.key.shape[0], cache.key.shape[1], 0, HEAD_DIM)
     for pool in (no_heads, no_rows):
         with pytest.raises(RuntimeError, match="must be >= 1"):
-            cpu_kernels.paged_decode_attention(q, pool, pool, tables, seq_lens, 1.0)
+            cpu_kernels.paged_attention(q, pool, pool, tables, seq_lens, 1.0)
     with pytest.raises(RuntimeError, match="ranks"):
         _decode(q, cache, tables[0], seq_lens)  # a 1-d table
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("fault", [None, "block id past the pool", "negative block id", "length past the table",
                                    "slot past the pool"])
-def test_metadata_refuses_tables_outside_the_pool(decode_kernel, fault):
+def test_metadata_refuses_tables_outside_the_pool(cpu_attention, fault):
     """Checked on the host once per step, before any layer indexes the pool with them (on CUDA an index
     out of range is a device-side assert that ends the process)."""
     block_tables, seq_lens, slots = [[3, 0], [1]], [6, 1], [5, 4]
@@ -284,10 +284,83 @@ def test_metadata_refuses_tables_outside_the_pool(decode_kernel, fault):
     def build():
         return AttentionMetadata.build([slots], [block_tables], seq_lens, [1, 1], block_size=BLOCK, num_blocks=4,
                                        num_heads=HEADS, num_kv_heads=KV_HEADS, device=torch.device("cpu"),
-                                       decode_kernel=decode_kernel, kv_caches=[])
+                                       cpu_attention=cpu_attention, kv_caches=[])
 
     if fault is None:
         assert build().num_decodes == 2
         return
     with pytest.raises(RuntimeError, match="scheduler bug"):
         build()
+
+
+def _one_sequence_pool(length, dtype, seed=0):
+    """q, k, v [length, ...] of one sequence and a pool holding all its K/V in scattered blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = -(-length // BLOCK) + 3
+    table = torch.randperm(num_blocks, generator=gen)[: -(-length // BLOCK)]
+    q, k, v = (torch.randn(length, h, HEAD_DIM, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    cache = KVCache(torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype),
+                    torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype))
+    positions = torch.arange(length)
+    write_kv(cache, k, v, table[positions // BLOCK] * BLOCK + positions % BLOCK)
+    return q, cache, table
+
+
+def _attend_in_steps(q, cache, table, chunks, window=None, soft_cap=None, beside=None):
+    """The sequence's queries, chunk by chunk as steps would send them (each step sees the keys up to its last
+    query); `beside`: (q row, table, length) of another sequence's decode in the same call, ahead of it."""
+    outs, start = [], 0
+    for n in chunks:
+        rows, tables, lens = [q[start : start + n]], [table], [start + n]
+        if beside is not None:
+            rows.insert(0, beside[0]), tables.insert(0, beside[1]), lens.insert(0, beside[2])
+        width = max(len(t) for t in tables)
+        padded = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
+        starts = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
+        out = cpu_kernels.paged_attention(torch.cat(rows), cache.key, cache.value, padded, torch.tensor(lens),
+                                          HEAD_DIM**-0.5, window, query_start_loc=starts, soft_cap=soft_cap)
+        outs.append(out[len(rows[0]) :] if beside is not None else out)
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (5, None), (None, 0.5)], ids=["full", "window-5", "capped"])
+def test_a_query_s_output_does_not_depend_on_its_step(dtype, window, soft_cap):
+    """Bit for bit: the whole prompt in one prefill, chunks across the kernel's 16-query tiles, one decode at a
+    time, and beside another sequence's decode, each position's output is the same (what makes float32 tokens
+    the same across batching, chunking and prefix-cache hits)."""
+    length = 45
+    q, cache, table = _one_sequence_pool(length, dtype)
+    whole = _attend_in_steps(q, cache, table, [length], window, soft_cap)
+    other_q, other_cache, other_table = _one_sequence_pool(9, dtype, seed=1)
+    assert not torch.equal(whole[:5], whole[5:10])  # the outputs differ from position to position
+    for chunks in ([20, 25], [1, 16, 17, 11], [7] * 6 + [3], [1] * length):
+        torch.testing.assert_close(_attend_in_steps(q, cache, table, chunks, window, soft_cap), whole, atol=0, rtol=0)
+    # another sequence in the same call reads its own blocks of the same pool
+    both = KVCache(torch.cat([cache.key, other_cache.key], 1), torch.cat([cache.value, other_cache.value], 1))
+    beside = (other_q[8:9], other_table + cache.key.shape[1], 9)
+    torch.testing.assert_close(_attend_in_steps(q, both, table, [30, 1, 14], window, soft_cap, beside), whole,
+                               atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("seqs", MIXES[:3])
+def test_soft_capped_scores_match_the_reference(seqs, cpu_attention):
+    """Gemma 2's logit soft-cap, c * tanh(s / c), before the softmax: decodes and chunks with a cached prefix."""
+    cache, meta, q, k, v, _ = _build(seqs, torch.float32, seed=5, cpu_attention=cpu_attention)
+    scale, cap = HEAD_DIM**-0.5, 0.5
+    ours = paged_attention(q, cache, meta, meta.groups[0], scale, k, v, None, cap)
+    torch.testing.assert_close(ours, reference_paged_attention(q, cache, meta, scale, soft_cap=cap), atol=1e-5,
+                               rtol=1e-5)
+    uncapped = reference_paged_attention(q, cache, meta, scale)
+    assert (ours - uncapped).abs().max() > 1e-2  # the cap changed the answer
+
+
+@pytest.mark.parametrize("starts, message", [([0, 1, 2, 4], "from 0 to q's 3 rows"), ([0, 1, 1, 3], "has 0 queries"),
+                                             ([0, 1, 7, 3], "has 6 queries for 5 keys")])
+def test_the_kernel_refuses_query_rows_that_do_not_tile_q(starts, message):
+    q, cache, tables, seq_lens = _kernel_inputs()
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.paged_attention(q, cache.key, cache.value, tables, seq_lens, 1.0,
+                                    query_start_loc=torch.tensor(starts))

@@ -74,15 +74,15 @@ def test_the_window_changes_transformers_logits(gemma):
     assert diff[:WINDOW].max() == 0 and diff[WINDOW:].min() > 1e-3
 
 
-@pytest.mark.parametrize("step_tokens, decode_kernel", [(None, False), (8, False), (1, True), (1, False)],
+@pytest.mark.parametrize("step_tokens, cpu_attention", [(None, False), (8, False), (1, True), (1, False)],
                          ids=["one-chunk", "8-token-chunks", "decode-kernel", "decode-torch-ops"])
-def test_logits_at_every_position_match_transformers(gemma, step_tokens, decode_kernel):
+def test_logits_at_every_position_match_transformers(gemma, step_tokens, cpu_attention):
     """16-token blocks; 1, 37 and 100 tokens (up to 6 windows)."""
     _, hf, _, ours = gemma
     for ids in _sequences():
         with torch.no_grad():
             expected = hf(torch.tensor([ids])).logits[0].float()  # [len, vocab]
-        got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, decode_kernel=decode_kernel)
+        got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, cpu_attention=cpu_attention)
         diff = (got - expected).abs().max().item()
         assert diff <= 1e-4, f"max |ours - transformers| = {diff:.2e} at length {len(ids)}"
 
@@ -110,7 +110,7 @@ def test_window_groups_let_long_sequences_share_a_pool_too_small_to_keep_every_b
     engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
     assert engine.runner.layout.group_windows == (WINDOW, WINDOW, None)  # local layers 0, 1 | 3; global 2, 4
     if torch_decode:
-        engine.runner.stage.decode_kernel = False
+        engine.runner.stage.cpu_attention = False
     logits = record_logits(engine)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (100,), generator=gen).tolist() for _ in range(4)]
@@ -194,6 +194,6 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(gemma):
         hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
         reference_error = (hf_bf16(torch.tensor([ids])).logits[0].float() - expected).abs().max().item()
     for step_tokens in (None, 1):
-        got = forward_sequence(ours, ids, step_tokens=step_tokens, decode_kernel=step_tokens == 1)
+        got = forward_sequence(ours, ids, step_tokens=step_tokens, cpu_attention=step_tokens == 1)
         error = (got - expected).abs().max().item()
         assert error <= reference_error, f"bfloat16: {error:.2e} vs transformers' {reference_error:.2e}"

@@ -94,16 +94,16 @@ def test_config_from_a_converted_file(tiny):
     assert (config.hidden_act, config.final_logit_softcapping, config.head_dim) == ("gelu_pytorch_tanh", None, HEAD_DIM)
 
 
-@pytest.mark.parametrize("step_tokens, decode_kernel", [(None, False), (8, False), (1, True)],
+@pytest.mark.parametrize("step_tokens, cpu_attention", [(None, False), (8, False), (1, True)],
                          ids=["one-chunk", "8-token-chunks", "decode-kernel"])
-def test_logits_match_transformers_at_every_position(tiny, step_tokens, decode_kernel):
+def test_logits_match_transformers_at_every_position(tiny, step_tokens, cpu_attention):
     """60 tokens: nearly 4 windows."""
     hf, path = tiny
     ours = load_model(str(path), dtype="float32", device="cpu").model
     ids = torch.randint(0, len(TOKENS), (60,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, decode_kernel=decode_kernel)
+    got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, cpu_attention=cpu_attention)
     assert (got - expected).abs().max().item() < 1e-4
 
 

@@ -140,7 +140,7 @@ def test_the_write_kernel_copies_k_and_v_into_a_float_pool(dtype):
 def test_attention_over_an_int8_pool_matches_the_reference_on_the_same_codes(mix, window, dtype):
     """Decodes through the C++ kernel (scales folded into scores and weights), prefill chunks through the
     gather, against the float32 reference over the same int8 pool (which dequantizes as it gathers)."""
-    cache, meta, q, k_new, v_new, _ = _build(MIXES[mix], dtype, seed=mix, decode_kernel=True, window=window)
+    cache, meta, q, k_new, v_new, _ = _build(MIXES[mix], dtype, seed=mix, cpu_attention=True, window=window)
     q8 = _int8_copy(cache)
     meta8 = dataclasses.replace(meta, kv_caches=(q8,))
     got = paged_attention(q, q8, meta8, meta8.groups[0], 0.25, k_new, v_new, window)
@@ -156,13 +156,13 @@ def test_attention_over_an_int8_pool_matches_the_reference_on_the_same_codes(mix
 
 
 def test_the_kernel_refuses_an_int8_pool_without_scales():
-    cache, meta, q, *_ = _build([(7, 1)], torch.float32, decode_kernel=True)
+    cache, meta, q, *_ = _build([(7, 1)], torch.float32, cpu_attention=True)
     q8 = _int8_copy(cache)
     tables, lens = meta.groups[0].block_tables, meta.seq_lens
     with pytest.raises(RuntimeError, match="needs key_scale and value_scale"):
-        ops.cpu_kernels.paged_decode_attention(q, q8.key, q8.value, tables, lens, 0.25)
+        ops.cpu_kernels.paged_attention(q, q8.key, q8.value, tables, lens, 0.25)
     with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
-        ops.cpu_kernels.paged_decode_attention(q, q8.key, q8.value, tables, lens, 0.25, None,
+        ops.cpu_kernels.paged_attention(q, q8.key, q8.value, tables, lens, 0.25, None,
                                                q8.key_scale.float(), q8.value_scale.float())
 
 
@@ -270,8 +270,8 @@ def test_int8_pool_logits_stay_near_the_float_pool(smollm2_loaded):
     the real model's log-probabilities move by the rounding, and no further."""
     model = smollm2_loaded.model
     ids = smollm2_loaded.tokenizer.encode(LLAMA_PROMPTS[4])[:48]
-    ref = forward_sequence(model, ids, step_tokens=1, decode_kernel=True)
-    got = forward_sequence(model, ids, step_tokens=1, decode_kernel=True, kv_dtype=torch.int8)
+    ref = forward_sequence(model, ids, step_tokens=1, cpu_attention=True)
+    got = forward_sequence(model, ids, step_tokens=1, cpu_attention=True, kv_dtype=torch.int8)
     ref, got = ref.log_softmax(-1), got.log_softmax(-1)
     kl = (ref.exp() * (ref - got)).sum(-1)  # KL(float pool || int8 pool) at each position
     assert kl.min() > 0  # rounded: not the float pool itself

@@ -136,7 +136,7 @@ def _check_engine_logits(case, budget: int, block_size: int, word_tokenizer, rec
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget))
     engine = LLMEngine(config, loaded=LoadedModel(ours, ours.config, word_tokenizer(VOCAB), folder))
     if torch_decode:
-        engine.runner.stage.decode_kernel = False  # the decode groups' torch ops, as off the CPU kernels
+        engine.runner.stage.cpu_attention = False  # the decode groups' torch ops, as off the CPU kernels
     logits = record_logits(engine)
     sequences = _sequences(seed=2)
     prompts = [sequences[1], sequences[2][:21], sequences[2][50:53]]  # 37, 21 and 3 tokens
@@ -209,9 +209,9 @@ def test_the_window_changes_transformers_logits(windowed):
     assert {layer.self_attn.attn.sliding_window for layer in ours.model.layers} == {WINDOW}
 
 
-@pytest.mark.parametrize("step_tokens, decode_kernel", [(8, False), (1, True), (1, False)],
+@pytest.mark.parametrize("step_tokens, cpu_attention", [(8, False), (1, True), (1, False)],
                          ids=["8-token-chunks", "decode-kernel", "decode-torch-ops"])
-def test_windowed_logits_at_every_position_match_transformers(windowed, step_tokens, decode_kernel):
+def test_windowed_logits_at_every_position_match_transformers(windowed, step_tokens, cpu_attention):
     """16-token blocks, 100 tokens (6 windows): every position computed in 8-token chunks (each attending
     to its cached prefix within the window), or one token at a time as decodes, through the C++ kernel or
     the torch ops."""
@@ -219,7 +219,7 @@ def test_windowed_logits_at_every_position_match_transformers(windowed, step_tok
     ids = _sequences()[2]
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].float()
-    got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, decode_kernel=decode_kernel)
+    got = forward_sequence(ours, ids, block_size=16, step_tokens=step_tokens, cpu_attention=cpu_attention)
     diff = (got - expected).abs().max().item()
     assert diff <= 1e-4, f"max |ours - transformers| = {diff:.2e}"
 

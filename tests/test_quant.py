@@ -359,7 +359,7 @@ def test_int4_default_model_through_the_engine(smollm2_fp32, dtype):
     model = llm.engine.runner.model
     for result in results:
         ids = result.prompt_token_ids
-        assert result.token_ids == greedy_generate(model, ids, 16, decode_kernel=llm.engine.runner.stage.decode_kernel)
+        assert result.token_ids == greedy_generate(model, ids, 16, cpu_attention=llm.engine.runner.stage.cpu_attention)
         ref = greedy_generate(smollm2_fp32, ids, 16)
         same = next((i for i, (a, b) in enumerate(zip(ref, result.token_ids)) if a != b), len(ref))
         if same < len(ref):

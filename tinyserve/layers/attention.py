@@ -2,14 +2,20 @@
 sequence owns a block table.
 
 Tokens of many sequences arrive flattened in one step (no padding between sequences), decodes first (one
-query token each, longest context first), then prefill chunks (many query tokens each). On CUDA the whole
-step is one call of our Triton kernel per layer (layers/kernels/triton_attention.py). Elsewhere decodes are
-attended as the step's plan says (layers/attention_metadata.py): in one call of our C++ kernel, or in a
-few batched torch calls over groups of similar length; prefill chunks one sequence at a time through
-SDPA, each with its causal mask offset by the tokens already in the cache.
+query token each, longest context first), then prefill chunks (many query tokens each). The whole step is
+one call per layer of our own kernel: Triton on CUDA (layers/kernels/triton_attention.py), C++ on CPU
+(layers/kernels/csrc/paged_attention.cpp), both reading the blocks in place. The C++ kernel computes each
+query the same way whatever its step, so float32 tokens do not depend on batching, chunking or prefix-cache
+hits. Without a kernel (a failed build, float16, an odd head size) decodes are attended in a few batched
+torch calls over groups of similar length, as the step's plan says (layers/attention_metadata.py), and
+prefill chunks one sequence at a time through SDPA, each with its causal mask offset by the tokens already
+in the cache.
 
-An int8 pool (layers/kv_cache.py) is read by the C++ decode kernel, which folds each row's scale into its
-score and its weight, and by the prefill gather, which widens the rows it reads to the step's dtype.
+An int8 pool (layers/kv_cache.py) is read by the C++ kernel, which folds each row's scale into its score
+and its weight (the model runner refuses the pool where the kernel does not apply).
+
+Logit soft-cap c (Gemma 2's `attn_logit_softcapping`): a score s becomes c * tanh(s / c) before the
+softmax, in the C++ kernel and in the torch ops; the Triton kernel does not take it yet (refused).
 
 Sliding window (per layer, Mistral's and transformers' meaning): the query at position p attends to keys
 p - W + 1 .. p, W keys itself included; None is full attention. Every path reads only the blocks from
@@ -56,7 +62,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
     )[0]
 
 
-def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale: float) -> torch.Tensor:
+def _soft_capped(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    return scores if soft_cap is None else soft_cap * torch.tanh(scores / soft_cap)
+
+
+def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale: float,
+                      soft_cap: float | None) -> torch.Tensor:
     """One group of decode sequences at once, in torch ops: gather their K blocks (one index_select) for
     one batched matmul over (kv head, sequence), softmax, then sum V's pool rows weighted by the
     probabilities (embedding_bag over the plan's value bags: V is read once, never gathered into a copy).
@@ -72,33 +83,30 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, plan: DecodeGroup, scale:
     # [kv_heads * num_decodes, group, head_dim]: query heads of one kv head are adjacent (h = kvh * group + g)
     qg = (q * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
     scores = torch.bmm(qg, k.transpose(1, 2)).view(num_kv_heads, num_decodes, group, -1)
-    probs = (scores.float() + plan.bias).softmax(dim=-1).to(q.dtype)  # [kv_heads, num_decodes, group, width]
+    probs = (_soft_capped(scores.float(), soft_cap) + plan.bias).softmax(dim=-1).to(q.dtype)  # [kvh, nd, group, w]
     out = F.embedding_bag(plan.value_bags, cache.value.view(-1, head_dim), plan.value_bag_offsets, mode="sum",
                           per_sample_weights=probs.reshape(-1))  # [kv_heads * num_decodes * group, head_dim]
     return out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, tables: GroupTables, scale: float,
-                    new_k: torch.Tensor, new_v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                    new_k: torch.Tensor, new_v: torch.Tensor, window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. The step's K/V are already in
     the cache; new_k/new_v ([num_tokens, kv_heads, head_dim]) spare a gather for a prefill with no
-    cached prefix. tables: the layer's KV group's; window: the layer's sliding window, None for full
-    attention."""
+    cached prefix on the torch path. tables: the layer's KV group's; window: the layer's sliding window,
+    None for full attention; soft_cap: the logit soft-cap, None for none."""
     if meta.paged_kernel:
+        if soft_cap is not None:
+            raise NotImplementedError("the Triton attention kernel has no logit soft-cap yet")
         return ops.paged_attention_kernel(q, cache, tables.block_tables, meta.seq_lens, meta.query_start_loc,
                                           meta.max_query_len, scale, window)
-    nd = meta.num_decodes
-    decoded = None
-    if meta.decode_kernel and nd:
-        decoded = ops.paged_decode_attention(q[:nd], cache, tables.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                             window)
-        if nd == len(meta.query_lens_host):  # a decode-only step: no copy into out
-            return decoded
+    if meta.cpu_attention:
+        return ops.cpu_paged_attention(q, cache, tables.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                                       window, soft_cap)
     out = torch.empty_like(q)
-    if decoded is not None:
-        out[:nd] = decoded
     for plan in tables.decode_groups[window]:
-        out[plan.start : plan.end] = _decode_attention(q[plan.start : plan.end], cache, plan, scale)
+        out[plan.start : plan.end] = _decode_attention(q[plan.start : plan.end], cache, plan, scale, soft_cap)
     start = meta.num_decodes
     for i in range(meta.num_decodes, len(meta.query_lens_host)):
         q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
@@ -112,13 +120,30 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, ta
         # plain causal attention (SDPA's own mask) where no key is cached and none leaves the window
         is_causal = q_len == seq_len and (window is None or window >= seq_len)
         mask = None if is_causal else causal_mask(q_len, seq_len, q.device, window, first)
-        out[start : start + q_len] = _sdpa(q_seq, k, v, scale, mask, is_causal).transpose(0, 1)
+        if soft_cap is None:
+            attended = _sdpa(q_seq, k, v, scale, mask, is_causal)
+        else:
+            allowed = causal_mask(q_len, seq_len, q.device, window, first) if mask is None else mask
+            attended = _soft_capped_attention(q_seq, k, v, scale, allowed, soft_cap)
+        out[start : start + q_len] = attended.transpose(0, 1)
         start += q_len
     return out
 
 
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor,
+                           soft_cap: float) -> torch.Tensor:
+    """SDPA's math with the scores soft-capped (SDPA has no cap): q [heads, q_len, head_dim], k/v [kv_heads,
+    kv_len, head_dim], allowed [q_len, kv_len] bool."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = _soft_capped((q.float() @ k.float().transpose(1, 2)) * scale, soft_cap)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return (probs @ v.float()).to(q.dtype)
+
+
 def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                              window: int | None = None, kv_group: int = 0) -> torch.Tensor:
+                              window: int | None = None, kv_group: int = 0,
+                              soft_cap: float | None = None) -> torch.Tensor:
     """The plain algorithm, one sequence and one head at a time in float32: the yardstick for tests.
     Reads every key of each sequence (a group that released blocks would need a window-sized gather)."""
     out = torch.empty_like(q)
@@ -129,7 +154,7 @@ def reference_paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMe
         allowed = causal_mask(q_len, seq_len, q.device, window)
         for h in range(q.shape[1]):
             qh = q[start : start + q_len, h].float()  # [q_len, head_dim]
-            scores = (qh @ k[h // group].float().T) * scale  # [q_len, seq_len]
+            scores = _soft_capped((qh @ k[h // group].float().T) * scale, soft_cap)  # [q_len, seq_len]
             scores = scores.masked_fill(~allowed, float("-inf"))
             scores = scores - scores.max(dim=-1, keepdim=True).values  # stable softmax
             weights = scores.exp()
@@ -143,16 +168,17 @@ class Attention(DirectCall, nn.Module):
     """Writes this step's K/V into its layer's pool, then attends over the pool. Holds no weights."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_index: int,
-                 scale: float | None = None, sliding_window: int | None = None):
+                 scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_index = layer_index  # its pool is the step's meta.kv_caches[layer_index], its tables its group's
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window  # keys per query, itself included; None: full attention
+        self.soft_cap = soft_cap  # scores become soft_cap * tanh(score / soft_cap); None: not capped
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]"""
         cache = meta.kv_caches[self.layer_index]
         tables = meta.layer_tables(self.layer_index)
         ops.write_kv(cache, k, v, tables.slot_mapping)
-        return paged_attention(q, cache, meta, tables, self.scale, k, v, self.sliding_window)
+        return paged_attention(q, cache, meta, tables, self.scale, k, v, self.sliding_window, self.soft_cap)

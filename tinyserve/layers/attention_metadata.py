@@ -2,10 +2,10 @@
 by every layer: where the new tokens' K/V go, what each sequence attends to, and how its decodes are
 attended (the decode plan), for each KV group (layers/kv_cache.py, KVLayout). No layer changes it.
 
-The decode plan: with our Triton kernel (`paged_kernel`, on CUDA: ops.paged_kernel_applies), one call per
-layer for the whole step, decodes and prefill chunks, reading the blocks in place (`query_start_loc`,
-`max_query_len`); with our C++ kernel (`decode_kernel`, where ops.decode_kernel_applies), one call per
-layer for all decodes; otherwise decodes are attended in a few batched torch calls over groups of
+The decode plan: with our Triton kernel (`paged_kernel`, on CUDA: ops.paged_kernel_applies) or our C++
+kernel (`cpu_attention`, where ops.cpu_attention_applies), one call per layer for the whole step, decodes
+and prefill chunks, reading the blocks in place (`query_start_loc`, `max_query_len`); otherwise decodes are
+attended in a few batched torch calls over groups of
 similar length (`decode_groups`), whose gather rows, masks and value bags are computed here, once per
 step, not once per layer: one set per sliding window the model's layers use (None for full attention),
 each gathering only the blocks inside its window.
@@ -64,13 +64,13 @@ class AttentionMetadata:
     query_lens_host: list[int]  # new tokens of each sequence this step; the first num_decodes are 1
     num_decodes: int  # leading sequences with exactly one query token
     block_size: int
-    decode_kernel: bool  # decodes go to our C++ kernel (ops.paged_decode_attention)
+    cpu_attention: bool  # every sequence's attention in our C++ kernel (ops.cpu_paged_attention)
     # The pools this step reads and writes, one per attention layer (layers of one slot share one). They
     # travel with the step, not in the model's modules: a loaded model holds no engine state, so engines
     # (and their threads) may share it.
     kv_caches: tuple[KVCache, ...]
-    # every sequence's attention in our Triton kernel (ops.paged_attention_kernel), which needs where each
-    # sequence's query rows start ([num_seqs + 1] on device, the total last) and the longest query
+    # every sequence's attention in our Triton kernel (ops.paged_attention_kernel); it and the C++ kernel need
+    # where each sequence's query rows start ([num_seqs + 1] on device, the total last), Triton the longest query
     paged_kernel: bool = False
     query_start_loc: torch.Tensor | None = None
     max_query_len: int = 0
@@ -81,14 +81,14 @@ class AttentionMetadata:
     @classmethod
     def build(cls, slot_mappings: Sequence[list[int]], block_tables: Sequence[list[list[int]]], seq_lens: list[int],
               query_lens: list[int], *, block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int,
-              device: torch.device, decode_kernel: bool, kv_caches: Sequence[KVCache], paged_kernel: bool = False,
+              device: torch.device, cpu_attention: bool, kv_caches: Sequence[KVCache], paged_kernel: bool = False,
               layer_groups: Sequence[int] | None = None,
               group_windows: Sequence[Collection[int | None]] = ((None,),)) -> AttentionMetadata:
         """From host lists, one slot mapping and one list of tables per KV group, sequences ordered decodes
         first. One host-to-device copy per tensor. layer_groups: each layer's group (None: all in group 0);
         group_windows: the windows each group's layers use (KVLayout.group_layer_windows)."""
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        bounds = [] if decode_kernel or paged_kernel else decode_group_bounds(seq_lens[:num_decodes])
+        bounds = [] if cpu_attention or paged_kernel else decode_group_bounds(seq_lens[:num_decodes])
         groups = []
         for slot_mapping, tables_host, windows in zip(slot_mappings, block_tables, group_windows, strict=True):
             (window,) = windows if len(windows) == 1 else (None,)
@@ -105,8 +105,9 @@ class AttentionMetadata:
             layer_groups=tuple(layer_groups) if layer_groups is not None else (0,) * len(kv_caches),
             seq_lens=int64_tensor(seq_lens, device),
             seq_lens_host=seq_lens, query_lens_host=query_lens, num_decodes=num_decodes, block_size=block_size,
-            decode_kernel=decode_kernel, kv_caches=tuple(kv_caches), paged_kernel=paged_kernel,
-            query_start_loc=int64_tensor([0, *itertools.accumulate(query_lens)], device) if paged_kernel else None,
+            cpu_attention=cpu_attention, kv_caches=tuple(kv_caches), paged_kernel=paged_kernel,
+            query_start_loc=(int64_tensor([0, *itertools.accumulate(query_lens)], device)
+                             if paged_kernel or cpu_attention else None),
             max_query_len=max(query_lens),
         )
 

@@ -7,8 +7,8 @@ Where the kernels apply: on CPU, in float32 and bfloat16, once built (`kernel_ta
 failed build take the torch formulas. In bfloat16 the elementwise kernels round where the formulas round,
 so both paths give the same values (tests/test_cpu_kernels.py); in float32 they differ by summation order.
 Two choices are made once rather than per call: a linear's weight format at load time (layers/linear.py;
-a format other than DenseWeight exists only where its kernel does), and decode attention's path per step
-by the model runner (`decode_kernel_applies`, carried in AttentionMetadata).
+a format other than DenseWeight exists only where its kernel does), and attention's path by the model
+runner (`cpu_attention_applies`, carried in AttentionMetadata).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ def kernel_takes(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in cpu_kernels.KERNEL_DTYPES and cpu_kernels.load() is not None
 
 
-def decode_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether decode attention for this model runs in our kernel: CPU, a compiled dtype and head size,
-    and a successful build. Asked once, by the model runner, at start-up (which builds the kernels then,
+def cpu_attention_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention for this model runs in our C++ kernel: CPU, a compiled dtype and head size, and a
+    successful build. Asked once, by the model runner, at start-up (which builds the kernels then,
     not in the first timed step)."""
-    return (device.type == "cpu" and dtype in cpu_kernels.KERNEL_DTYPES and head_dim in cpu_kernels.DECODE_HEAD_DIMS
+    return (device.type == "cpu" and dtype in cpu_kernels.KERNEL_DTYPES and head_dim in cpu_kernels.ATTENTION_HEAD_DIMS
             and cpu_kernels.load() is not None)
 
 
@@ -196,14 +196,17 @@ def embedding(ids: torch.Tensor, weight: DenseWeight | Int8Weight | Int4Weight |
             raise TypeError(f"no embedding lookup for a {type(weight).__name__}")
 
 
-def paged_decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, window: int | None) -> torch.Tensor:
-    """Decode attention in our kernel (where decode_kernel_applies): q [num_seqs, heads, head_dim], one
-    token each; block_tables [num_seqs, width], seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
-    The kernel walks each block table and reads K and V in place, from the first block of the sliding
-    window (`window` keys, the query's own included) where the layer has one."""
-    return cpu_kernels.paged_decode_attention(q, cache.key, cache.value, block_tables, seq_lens, scale, window,
-                                              cache.key_scale, cache.value_scale)
+def cpu_paged_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor | None, scale: float, window: int | None,
+                        soft_cap: float | None = None) -> torch.Tensor:
+    """Attention of every sequence of a step in our C++ kernel (where cpu_attention_applies): q [num_tokens,
+    heads, head_dim], each sequence's new tokens in order (query_start_loc [num_seqs + 1] int64 says where
+    each starts; None: one token a sequence); block_tables [num_seqs, width], seq_lens [num_seqs] int64 ->
+    [num_tokens, heads, head_dim]. The kernel walks each block table and reads K and V in place, from the
+    first block of the sliding window (`window` keys, the query's own included) where the layer has one."""
+    return cpu_kernels.paged_attention(q, cache.key, cache.value, block_tables, seq_lens, scale, window,
+                                       cache.key_scale, cache.value_scale, query_start_loc=query_start_loc,
+                                       soft_cap=soft_cap)
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -95,7 +95,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             groups=groups, layer_groups=self.layout.layer_groups, seq_lens=views["seq_lens"][:size],
             seq_lens_host=[1] * size, query_lens_host=[1] * size, num_decodes=size, block_size=self.block_size,
-            decode_kernel=False, kv_caches=tuple(kv_caches), paged_kernel=True,
+            cpu_attention=False, kv_caches=tuple(kv_caches), paged_kernel=True,
             query_start_loc=views["query_start"][: size + 1], max_query_len=1)
 
     def applies(self, mb: MicroBatchPlan) -> bool:

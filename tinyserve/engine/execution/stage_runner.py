@@ -22,7 +22,7 @@ from tinyserve.engine.execution.step_plan import MicroBatchPlan, StepPlan
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import KVCache, KVLayout
 from tinyserve.layers.host_to_device import int64_tensor
-from tinyserve.layers.ops import decode_kernel_applies, paged_kernel_applies
+from tinyserve.layers.ops import cpu_attention_applies, paged_kernel_applies
 from tinyserve.models.registry import device_and_dtype
 from tinyserve.parallel.launch import Ranks
 from tinyserve.parallel.shard import kv_head_slice
@@ -45,9 +45,9 @@ class StageRunner:
         self.group_windows = layout.group_layer_windows(config.layer_sliding_windows())
         # The decode plan's kernel-or-torch choice, made once; the kernels build (or load) here, at
         # start-up, not in the first timed step.
-        self.decode_kernel = decode_kernel_applies(self.device, self.dtype, config.head_dim)
+        self.cpu_attention = cpu_attention_applies(self.device, self.dtype, config.head_dim)
         self.paged_kernel = paged_kernel_applies(self.device)
-        if any(cache is not None and cache.quantized for cache in self.kv_caches) and not self.decode_kernel:
+        if any(cache is not None and cache.quantized for cache in self.kv_caches) and not self.cpu_attention:
             raise ValueError(
                 f"--kv-cache-dtype int8 needs our C++ decode kernel, which does not apply to this model here "
                 f"(device {self.device}, dtype {self.dtype}, head_dim {config.head_dim}; it runs on CPU in float32 "
@@ -61,7 +61,7 @@ class StageRunner:
         meta = AttentionMetadata.build(mb.slot_mappings, mb.block_tables, mb.seq_lens, mb.query_lens,
                                        block_size=self.block_size, num_blocks=self.num_blocks,
                                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, device=self.device,
-                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_caches,
+                                       cpu_attention=self.cpu_attention, kv_caches=self.kv_caches,
                                        paged_kernel=self.paged_kernel, layer_groups=self.layout.layer_groups,
                                        group_windows=self.group_windows)
         return int64_tensor(mb.input_ids, self.device), int64_tensor(mb.positions, self.device), meta

@@ -31,7 +31,7 @@ from tinyserve.engine.observability.stats import SpecDecodeStats
 from tinyserve.layers.attention_metadata import AttentionMetadata
 from tinyserve.layers.kv_cache import allocate_kv_cache
 from tinyserve.layers.host_to_device import int64_tensor
-from tinyserve.layers.ops import decode_kernel_applies, paged_kernel_applies
+from tinyserve.layers.ops import cpu_attention_applies, paged_kernel_applies
 from tinyserve.loader.model_loader import LoadedModel, load_model_in_pieces
 from tinyserve.types import Job
 from tinyserve.models.registry import device_and_dtype
@@ -98,7 +98,7 @@ class DraftModelProposer:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
         self.sliding_windows = frozenset(model.config.layer_sliding_windows())  # one decode plan per window
-        self.decode_kernel = decode_kernel_applies(self.device, self.dtype, model.config.head_dim)
+        self.cpu_attention = cpu_attention_applies(self.device, self.dtype, model.config.head_dim)
         self.paged_kernel = paged_kernel_applies(self.device)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._sequences: dict[Request, _DraftSequence] = {}
@@ -165,7 +165,7 @@ class DraftModelProposer:
         meta = AttentionMetadata.build([slots], [tables], seq_lens, query_lens, block_size=bs,
                                        num_blocks=self.num_blocks, num_heads=self.model.config.num_attention_heads,
                                        num_kv_heads=self.model.config.num_key_value_heads, device=self.device,
-                                       decode_kernel=self.decode_kernel, kv_caches=self.kv_cache,
+                                       cpu_attention=self.cpu_attention, kv_caches=self.kv_cache,
                                        paged_kernel=self.paged_kernel,
                                        group_windows=[self.sliding_windows])
         hidden = self.model(int64_tensor(input_ids, self.device), int64_tensor(positions, self.device), meta)

@@ -2,8 +2,9 @@
 loading them, and one thin wrapper per kernel. Only layers/ops.py calls these; it decides where they apply
 (and the GGUF loader, loader/gguf/blocks.py, its Q4_0 / Q4_1 repacking).
 
-- decode attention (csrc/paged_decode_attention.cpp): torch has no paged attention for the CPU, and
-  doing it with torch ops copied every sequence's K once per layer;
+- attention over the paged KV pool, decodes and prefill chunks in one call (csrc/paged_attention.cpp): torch
+  has no paged attention for the CPU, and doing it with torch ops copied every sequence's K (a chunk's whole
+  cached prefix) once per layer;
 - the per-token elementwise work of a layer (csrc/fused_ops.cpp): RMSNorm with its residual add,
   rotary, SiLU-and-multiply, each one call instead of 3-8 eager ops;
 - matmuls for the linears in bfloat16, int8 and int4 (csrc/bf16_matmul.cpp, csrc/quantized_matmul.cpp,
@@ -47,10 +48,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quantized_matmul.cpp",
             "bf16_matmul.cpp", "f32_matmul.cpp", "token_bitmask.cpp", "int8_channel_matmul.cpp",
             "kv_write.cpp", "row_argmax.cpp", "quantized_matmul_a16.cpp", "gguf_nibbles.cpp")
-DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
 # dot products and sums into vector lanes and call the vectorized expf; inputs are finite scores.
@@ -131,16 +132,19 @@ def _named(name: str, kernel, *args):
     return kernel(*args)
 
 
-def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, window: int | None = None,
-                           key_scale: torch.Tensor | None = None,
-                           value_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [num_seqs, heads, head_dim] (one token each); key/value [kv_heads, num_blocks, block_size,
-    head_dim]; block_tables [num_seqs, width] int64; seq_lens [num_seqs] int64 -> [num_seqs, heads, head_dim].
-    window: each query attends to its last `window` keys (itself included), None to all. An int8 pool comes
-    with key_scale / value_scale, [kv_heads, num_blocks, block_size] float16."""
-    return _named("tinyserve::paged_decode_attention", load().paged_decode_attention,
-                  q.contiguous(), key, value, block_tables, seq_lens, scale, window, key_scale, value_scale)
+def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None, *,
+                    query_start_loc: torch.Tensor | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """q [num_tokens, heads, head_dim]: each sequence's new tokens, in order (without query_start_loc, one
+    token a sequence); key/value [kv_heads, num_blocks, block_size, head_dim]; block_tables [num_seqs, width]
+    int64; seq_lens [num_seqs] int64 (this step's tokens included); query_start_loc [num_seqs + 1] int64,
+    where each sequence's rows start (the total last) -> [num_tokens, heads, head_dim]. The query at position
+    p attends to keys up to p. window: each query attends to its last `window` keys (itself included), None
+    to all; soft_cap: scores become soft_cap * tanh(score / soft_cap). An int8 pool comes with key_scale /
+    value_scale, [kv_heads, num_blocks, block_size] float16."""
+    return _named("tinyserve::paged_attention", load().paged_attention, q.contiguous(), key, value, block_tables,
+                  seq_lens, query_start_loc, scale, window, soft_cap, key_scale, value_scale)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,

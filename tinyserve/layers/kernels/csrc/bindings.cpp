@@ -5,10 +5,12 @@
 #include <optional>
 #include <vector>
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                                     std::optional<int64_t> window, const std::optional<torch::Tensor>& key_scale,
-                                     const std::optional<torch::Tensor>& value_scale);
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                              const std::optional<torch::Tensor>& query_start_loc, double scale,
+                              std::optional<int64_t> window, std::optional<double> soft_cap,
+                              const std::optional<torch::Tensor>& key_scale,
+                              const std::optional<torch::Tensor>& value_scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -48,9 +50,10 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               const std::optional<torch::Tensor>& value_scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool",
-        py::arg("q"), py::arg("key"), py::arg("value"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = py::none(), py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+  m.def("paged_attention", &paged_attention, "attention of decodes and prefill chunks over the paged KV pool",
+        py::arg("q"), py::arg("key"), py::arg("value"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc") = py::none(), py::arg("scale") = 1.0, py::arg("window") = py::none(),
+        py::arg("soft_cap") = py::none(), py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
   m.def("rms_norm", &rms_norm, "weight * x / rms(x)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual)");
   m.def("rotary_", &rotary_, "q, k = x * cos + rotate_half(x) * sin, in place");
