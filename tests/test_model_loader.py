@@ -11,7 +11,7 @@ from tinyserve.config import EngineConfig
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear, TiedLMHead, can_pack
 from tinyserve.loader import model_loader
-from tinyserve.loader.model_loader import load_model, resolve_quantization
+from tinyserve.loader.model_loader import auto_activations, load_model, resolve_quantization
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 needs_int_kernels = pytest.mark.skipif(not ops.has_cpu_kernels(),
@@ -36,20 +36,25 @@ def test_explicit_modes_are_taken_as_they_are():
 
 @needs_int_kernels
 def test_auto_runs_our_kernels_only_for_a_quantized_file_on_cpu():
-    assert resolve_quantization("auto", True, torch.bfloat16, CPU) == "int4"
-    assert resolve_quantization("auto", False, torch.bfloat16, CPU) is None  # a float checkpoint
-    # --dtype auto at float32 (a CPU without fast bfloat16): the file's codes, float32 activations
-    assert resolve_quantization("auto", True, torch.float32, CPU) == "w4a16"
-    assert resolve_quantization("auto", False, torch.float32, CPU) is None
-    assert resolve_quantization("auto", True, torch.float32, CPU, dtype_flag="float32") is None  # the reference
+    # --dtype auto, whatever it resolves to: the file's codes, float32 activations (auto_activations)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert resolve_quantization("auto", True, dtype, CPU) == "w4a16"
+        assert auto_activations("w4a16", dtype, "auto") == torch.float32
+        assert resolve_quantization("auto", False, dtype, CPU) is None  # a float checkpoint
+        assert auto_activations(None, dtype, "auto") == dtype
+    # an explicit dtype: bfloat16 keeps int4 mode, float32 is the reference
+    assert resolve_quantization("auto", True, torch.bfloat16, CPU, dtype_flag="bfloat16") == "int4"
+    assert auto_activations("int4", torch.bfloat16, "bfloat16") == torch.bfloat16
+    assert resolve_quantization("auto", True, torch.float32, CPU, dtype_flag="float32") is None
     assert resolve_quantization("auto", True, torch.bfloat16, CUDA) is None  # our kernels are CPU's
 
 
 @needs_int_kernels
-def test_float32_by_dtype_auto_serves_the_file_s_codes(monkeypatch):
-    """Where --dtype auto is float32, the default model is held in its file's formats and computes with
-    float32 activations: Q4_1 block linears as int4, the Q8_0 embedding as the tied int8 head."""
-    monkeypatch.setattr(model_loader, "resolve_dtype", lambda dtype, device: torch.float32)  # a CPU without bf16
+@pytest.mark.parametrize("cpu_dtype", [torch.float32, torch.bfloat16], ids=["avx2-cpu", "bf16-cpu"])
+def test_dtype_auto_serves_the_file_s_codes_with_float32_activations(monkeypatch, cpu_dtype):
+    """Whatever --dtype auto resolves to on the CPU, the default model is held in its file's formats and computes
+    with float32 activations: Q4_1 block linears as int4, the Q8_0 embedding as the tied int8 head."""
+    monkeypatch.setattr(model_loader, "resolve_dtype", lambda dtype, device: cpu_dtype)
     loaded = load_model("smollm2-135m", "auto", "cpu", "auto")
     assert loaded.quantization == "w4a16"
     assert _formats(loaded.model) == Counter({"Int4Weight": 120, "Int8Weight": 1})

@@ -270,6 +270,7 @@ def load_model_in_pieces(model: str, dtype: str, device: str, quantization: str 
         yield
         quantization = resolve_quantization(quantization, checkpoint.stored_quantized, torch_dtype, torch_device,
                                            dtype)
+        torch_dtype = auto_activations(quantization, torch_dtype, dtype)
         shard = shard_for(config, torch_dtype) if shard_for is not None else None
         net = yield from build_model_in_pieces(config, checkpoint.tensors, torch_dtype, torch_device,
                                                ignore=checkpoint.ignore, quantization=quantization, shard=shard,
@@ -287,20 +288,27 @@ def resolve_quantization(mode: str | None, stored_quantized: bool, dtype: torch.
                          dtype_flag: str = "auto") -> str | None:
     """The weight format of `--quantization mode` (config.QUANTIZATION_MODES) for a checkpoint whose linears
     the file stores quantized (stored_quantized) or not; None: the float path. "auto" keeps a GGUF's own codes
-    (Q4_x as int4, its 5-8-bit tensors and the head at int8: layers/linear.py) where our kernels run (CPU):
-    int4 mode at bfloat16; at float32 (`--dtype auto` on a CPU without fast bfloat16) w4a16, whose kernels
-    take float32 activations, so that a model is held at its file's size on every CPU. An explicit
-    `--dtype float32` (dtype_flag) stays the exact reference, dense float32 matrices; a float checkpoint and
-    CUDA keep their dtype."""
+    (each type in its own format: layers/linear.py) where our kernels run (CPU). With `--dtype auto`
+    (dtype_flag) that is w4a16 on every CPU, the codes times unrounded float32 activations (auto_activations
+    says so): the default answers as the float model does (README; at bfloat16 activations, and in int4 mode,
+    the README's question got a French answer from the default file). An explicit `--dtype bfloat16` keeps
+    int4 mode, an explicit `--dtype float32` the exact reference (dense float32 matrices); a float checkpoint
+    and CUDA keep their dtype."""
     if mode is None or mode == "none":
         return None
     if mode != "auto":
         return mode
     if not (device.type == "cpu" and stored_quantized and ops.has_cpu_kernels()):
         return None
-    if dtype == torch.bfloat16:
-        return "int4"
-    return "w4a16" if dtype == torch.float32 and dtype_flag == "auto" else None
+    if dtype_flag == "auto":
+        return "w4a16"
+    return "int4" if dtype == torch.bfloat16 else None
+
+
+def auto_activations(quantization: str | None, dtype: torch.dtype, dtype_flag: str) -> torch.dtype:
+    """The activations' dtype: float32 for the default's w4a16 (`--dtype auto` resolved the quantization to
+    it), else the resolved dtype."""
+    return torch.float32 if quantization == "w4a16" and dtype_flag == "auto" else dtype
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...], bos: int | None) -> ModelConfig:
