@@ -33,7 +33,8 @@ TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 MODES = [("float32", "float32", None, None), ("bfloat16", "bfloat16", None, None),
          ("int8", "bfloat16", "int8", None), ("int4", "bfloat16", "int4", None),
          ("int8-kv", "bfloat16", None, torch.int8),  # --kv-cache-dtype int8 beside bfloat16 weights
-         ("w4a16", "bfloat16", "w4a16", None)]  # int4's codes, the activations unrounded
+         ("w4a16", "bfloat16", "w4a16", None),  # int4's codes, the activations unrounded bfloat16
+         ("default", "auto", "auto", None)]  # what `tinyserve serve` runs: the file's codes, float32 activations
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give three tips for learning a new language.", "What is 17 times 23?",
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--result-file", type=Path, default=None)
-    parser.add_argument("--modes", default="float32,bfloat16,int8,int4,int8-kv,w4a16",
+    parser.add_argument("--modes", default="float32,bfloat16,int8,int4,int8-kv,w4a16,default",
                         help="which rows, comma-separated (float32, the reference, always runs first)")
     args = parser.parse_args()
     wanted = {"float32", *args.modes.split(",")}
