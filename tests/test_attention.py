@@ -293,16 +293,16 @@ def test_metadata_refuses_tables_outside_the_pool(cpu_attention, fault):
         build()
 
 
-def _one_sequence_pool(length, dtype, seed=0):
+def _one_sequence_pool(length, dtype, seed=0, block=BLOCK):
     """q, k, v [length, ...] of one sequence and a pool holding all its K/V in scattered blocks."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = -(-length // BLOCK) + 3
-    table = torch.randperm(num_blocks, generator=gen)[: -(-length // BLOCK)]
+    num_blocks = -(-length // block) + 3
+    table = torch.randperm(num_blocks, generator=gen)[: -(-length // block)]
     q, k, v = (torch.randn(length, h, HEAD_DIM, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
-    cache = KVCache(torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype),
-                    torch.zeros(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, dtype=dtype))
+    cache = KVCache(torch.zeros(KV_HEADS, num_blocks, block, HEAD_DIM, dtype=dtype),
+                    torch.zeros(KV_HEADS, num_blocks, block, HEAD_DIM, dtype=dtype))
     positions = torch.arange(length)
-    write_kv(cache, k, v, table[positions // BLOCK] * BLOCK + positions % BLOCK)
+    write_kv(cache, k, v, table[positions // block] * block + positions % block)
     return q, cache, table
 
 
@@ -325,15 +325,17 @@ def _attend_in_steps(q, cache, table, chunks, window=None, soft_cap=None, beside
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("window, soft_cap", [(None, None), (5, None), (None, 0.5)], ids=["full", "window-5", "capped"])
-def test_a_query_s_output_does_not_depend_on_its_step(dtype, window, soft_cap):
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (11, None), (None, 0.5)], ids=["full", "window-11", "capped"])
+@pytest.mark.parametrize("block", [BLOCK, 16])
+def test_a_query_s_output_does_not_depend_on_its_step(dtype, window, soft_cap, block):
     """Bit for bit: the whole prompt in one prefill, chunks across the kernel's 16-query tiles, one decode at a
     time, and beside another sequence's decode, each position's output is the same (what makes float32 tokens
-    the same across batching, chunking and prefix-cache hits)."""
+    the same across batching, chunking and prefix-cache hits). Blocks of 16 take the kernel's eight-key dots
+    where a block holds eight of a query's keys, one key at a time elsewhere: the same sums either way."""
     length = 45
-    q, cache, table = _one_sequence_pool(length, dtype)
+    q, cache, table = _one_sequence_pool(length, dtype, block=block)
     whole = _attend_in_steps(q, cache, table, [length], window, soft_cap)
-    other_q, other_cache, other_table = _one_sequence_pool(9, dtype, seed=1)
+    other_q, other_cache, other_table = _one_sequence_pool(9, dtype, seed=1, block=block)
     assert not torch.equal(whole[:5], whole[5:10])  # the outputs differ from position to position
     for chunks in ([20, 25], [1, 16, 17, 11], [7] * 6 + [3], [1] * length):
         torch.testing.assert_close(_attend_in_steps(q, cache, table, chunks, window, soft_cap), whole, atol=0, rtol=0)
