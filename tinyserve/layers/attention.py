@@ -118,13 +118,12 @@ def paged_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, ta
         else:
             k, v = gather_kv(cache, tables.block_tables[i], seq_len, first, q.dtype)
         # plain causal attention (SDPA's own mask) where no key is cached and none leaves the window
-        is_causal = q_len == seq_len and (window is None or window >= seq_len)
+        is_causal = soft_cap is None and q_len == seq_len and (window is None or window >= seq_len)
         mask = None if is_causal else causal_mask(q_len, seq_len, q.device, window, first)
         if soft_cap is None:
             attended = _sdpa(q_seq, k, v, scale, mask, is_causal)
         else:
-            allowed = causal_mask(q_len, seq_len, q.device, window, first) if mask is None else mask
-            attended = _soft_capped_attention(q_seq, k, v, scale, allowed, soft_cap)
+            attended = _soft_capped_attention(q_seq, k, v, scale, mask, soft_cap)
         out[start : start + q_len] = attended.transpose(0, 1)
         start += q_len
     return out

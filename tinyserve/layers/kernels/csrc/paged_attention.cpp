@@ -108,6 +108,19 @@ inline float sum_lanes(Lanes v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3
   return h[0] + h[1];
 }
 
+// A query head's dot with a K row before its horizontal sum: two chains (even and odd Lanes), then their sum.
+// k_lane(l) gives the row's Lanes l (from registers or from memory); both K passes call this, so a score is
+// the same instructions either way.
+template <int kRowLanes, class KLane>
+inline Lanes dot_lanes(const float* q, KLane&& k_lane) {
+  Lanes even = load_lanes(q) * k_lane(0), odd = load_lanes(q + kLanes) * k_lane(1);
+  for (int l = 2; l < kRowLanes; l += 2) {
+    even += load_lanes(q + l * kLanes) * k_lane(l);
+    odd += load_lanes(q + (l + 1) * kLanes) * k_lane(l + 1);
+  }
+  return even + odd;
+}
+
 #if defined(__AVX2__)
 // sum_lanes of eight vectors at once: lane r of the result is sum_lanes(v[r]), the same additions in the same
 // pairs ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), in three steps of two shuffles and an add.
@@ -282,12 +295,7 @@ void attention(const T* q, const KV* key, const KV* value, const at::Half* key_s
                 Lanes dots[8];
                 for (int r = 0; r < 8; ++r) {
                   const float* kr = rows8 + r * D;
-                  Lanes even = load_lanes(qg) * load_lanes(kr), odd = load_lanes(qg + kLanes) * load_lanes(kr + kLanes);
-                  for (int l = 2; l < kRowLanes; l += 2) {
-                    even += load_lanes(qg + l * kLanes) * load_lanes(kr + l * kLanes);
-                    odd += load_lanes(qg + (l + 1) * kLanes) * load_lanes(kr + (l + 1) * kLanes);
-                  }
-                  dots[r] = even + odd;
+                  dots[r] = dot_lanes<kRowLanes>(qg, [&](int l) { return load_lanes(kr + l * kLanes); });
                 }
                 const Lanes sums = sum8(dots);
                 float* out_scores = scores.data() + (j * group + g) * span + t;
@@ -306,12 +314,8 @@ void attention(const T* q, const KV* key, const KV* value, const at::Half* key_s
               if (t < lo[j] || t >= hi[j]) continue;
               for (int64_t g = 0; g < group; ++g) {
                 const float* qg = query.data() + (j * group + g) * D;
-                Lanes even = load_lanes(qg) * k[0], odd = load_lanes(qg + kLanes) * k[1];
-                for (int l = 2; l < kRowLanes; l += 2) {
-                  even += load_lanes(qg + l * kLanes) * k[l];
-                  odd += load_lanes(qg + (l + 1) * kLanes) * k[l + 1];
-                }
-                scores[(j * group + g) * span + t] = finish(sum_lanes(even + odd), row_scale);
+                scores[(j * group + g) * span + t] =
+                    finish(sum_lanes(dot_lanes<kRowLanes>(qg, [&](int l) { return k[l]; })), row_scale);
               }
             }
           }
