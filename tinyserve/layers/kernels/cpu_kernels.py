@@ -54,7 +54,8 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quantized_m
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the attention kernel is compiled for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes every kernel is compiled for
 # -march=native: the build is per machine (its cache too). -ffast-math lets the compiler reassociate the
-# dot products and sums into vector lanes and call the vectorized expf; inputs are finite scores.
+# dot products and sums into vector lanes and call the vectorized expf; inputs are finite scores. The attention
+# and W4A16 kernels turn it off for themselves (a pragma): their outputs must not depend on a step's shape.
 # (Compiler flags do not reach the link step, so the process's float mode is not changed.)
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
