@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf import _write, tiny_llama  # noqa: F401 (tiny_llama: a fixture)
 from test_gguf_dequant import REFERENCES, random_blocks
+from test_gguf_quant_mix import a16_inputs
 
 from tinyserve.layers import ops
 from tinyserve.layers.linear import Linear
@@ -79,7 +80,8 @@ def test_the_c_plus_plus_nibble_pass_gives_the_torch_ops_bytes(qtype, rows):
 @needs_int_kernels
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_the_kernels_compute_with_the_file_s_values(qtype):
-    """w4a16 / w8a16 at float32 on the converted codes against float64 on the file's values."""
+    """w4a16 / w8a16 at float32 on the converted codes against float64 on the file's values and x as the kernel
+    reads it (w8a16 as it is; w4a16: a16_inputs)."""
     from tinyserve.layers.kernels.cpu_kernels import w4a16_matmul, w8a16_matmul
 
     blocks = _blocks(qtype, seed=1)
@@ -87,10 +89,10 @@ def test_the_kernels_compute_with_the_file_s_values(qtype):
     values = torch.from_numpy(REFERENCES[qtype](blocks.reshape(ROWS * COLS // 32, -1))).reshape(ROWS, COLS)
     x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
     if qtype == Q.Q8_0:
-        got = w8a16_matmul(x, weight.codes, weight.scales, ROWS)
+        got, read = w8a16_matmul(x, weight.codes, weight.scales, ROWS), x
     else:
-        got = w4a16_matmul(x, weight.codes, weight.scales, weight.minimums, ROWS)
-    exact = x.double() @ values.T
+        got, read = w4a16_matmul(x, weight.codes, weight.scales, weight.minimums, ROWS), a16_inputs(x)
+    exact = read.double() @ values.T
     assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
@@ -110,7 +112,8 @@ def test_q4_0_computes_the_gguf_library_s_values_and_the_bits_it_did_with_stored
     x = torch.randn(5, COLS, generator=torch.Generator().manual_seed(2))
     exact = x.double() @ values.T
     got = _int4_products(Int4Weight.from_codes(codes), x)
-    assert (got["w4a16"].double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    read = a16_inputs(x).double() @ values.T
+    assert (got["w4a16"].double() - read).abs().max() <= 1e-5 * read.abs().max()
     assert (got["int4"].double() - exact).abs().max() <= 0.03 * exact.abs().max()
     with_minimums = _int4_products(Int4Weight.from_codes(codes.with_minimums()), x)
     assert all(torch.equal(got[name], with_minimums[name]) for name in got)
@@ -128,8 +131,8 @@ def test_a_q4_0_scale_over_8188_loads():
     weight = Int4Weight.from_codes(codes)
     assert torch.equal(weight.rows(torch.arange(ROWS)), values)
     x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(3))
-    exact = x.double() @ values.double().T
     for name, got in _int4_products(weight, x).items():
+        exact = (a16_inputs(x) if name == "w4a16" else x).double() @ values.double().T
         tolerance = 1e-5 if name == "w4a16" else 0.03
         assert torch.isfinite(got).all() and (got.double() - exact).abs().max() <= tolerance * exact.abs().max()
 

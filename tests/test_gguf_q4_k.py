@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf import write_random_llama
 from test_gguf_dequant import REFERENCES, random_blocks
-from test_gguf_quant_mix import _build, _formats, assert_logits_match_the_formats_values
+from test_gguf_quant_mix import _build, _formats, a16_inputs, assert_logits_match_the_formats_values
 
 from tinyserve.engine.memory.sizing import weight_bytes_by_format
 from tinyserve.layers import ops
@@ -98,13 +98,20 @@ def test_the_kernel_computes_with_the_file_s_values(tokens, dtype):
 
 
 def assert_within_the_bound(matmul, values: torch.Tensor, tokens: int, dtype: torch.dtype, terms: int) -> None:
-    """matmul(x) for random x [tokens, in] of dtype against float64 on values [out, in]: within
-    terms * 2^-24 * sum_k |x_k w_k|, plus 2^-8 of the value for a bfloat16 output."""
+    """matmul(x) for random x [tokens, in] of dtype against float64 on values [out, in] and x as the kernel
+    reads it (a16_inputs): within terms * 2^-24 * sum_k |x_k| m_k, m_k = |w_k| (plus, where the kernel folds,
+    8 times the largest |w| of input k's group: the 2^b * scale each code carries in the fold's sums), plus
+    2^-8 of the value for a bfloat16 output."""
     x = torch.randn(tokens, values.shape[1], generator=torch.Generator().manual_seed(tokens)).to(dtype)
     got = matmul(x)
     assert got.dtype == dtype and tuple(got.shape) == (tokens, values.shape[0])
-    exact = x.double() @ values.T
-    bound = terms * 2.0 ** -24 * (x.double().abs() @ values.abs().T)
+    read = a16_inputs(x).double()
+    exact = read @ values.T
+    magnitude = values.abs()
+    if ops.cpu_kernels.w4a16_rounds_to_bfloat16():
+        group_max = magnitude.reshape(values.shape[0], -1, 32).amax(-1, keepdim=True)
+        magnitude = magnitude + 8 * group_max.expand(-1, -1, 32).reshape(values.shape)
+    bound = terms * 2.0 ** -24 * (read.abs() @ magnitude.T)
     if dtype == torch.bfloat16:
         bound += 2.0 ** -8 * exact.abs()
     assert ((got.double() - exact).abs() <= bound).all()
@@ -372,7 +379,7 @@ def test_the_mixed_model_computes_each_tensor_s_values(mixed_path):
 def assert_w4a16_logits_match(path, formats: dict, taken: dict) -> None:
     """The file's w4a16 load (float32) against the reference on its formats' values (within 1e-5)."""
     model = _build(path, dtype=torch.float32, quantization="w4a16")
-    assert_logits_match_the_formats_values(model, path, formats, taken, 1e-5)
+    assert_logits_match_the_formats_values(model, path, formats, taken, 1e-5, a16=True)
 
 
 @needs_int_kernels

@@ -125,6 +125,29 @@ def test_w4a16_kernel_computes_the_dequantized_product_of_unrounded_inputs(out_f
 
 
 @needs_kernels
+@pytest.mark.parametrize("tokens", [1, 3, 8, 21])
+def test_w4a16_rounds_float32_inputs_to_bfloat16_only_where_the_cpu_folds(tokens):
+    """Float32 x: on an AVX512-BF16 CPU (w4a16_rounds_to_bfloat16) the kernel computes the fold of csrc/a16_fold.h,
+    x rounded to bfloat16 once; elsewhere x as it is. Against float64 on the values it reads, to float32 sums
+    (the fold's sums carry each code as 16 + code: its bound counts 32 scales more a weight); the other reading
+    of x misses that bound by far."""
+    torch.manual_seed(tokens)
+    weight = torch.randn(80, 160) * 0.05
+    x = torch.randn(tokens, 160)
+    codes, scale, minimum = int4_codes(weight)
+    scale, minimum = scale.half().double()[..., None], minimum.half().double()[..., None]
+    dequantized = (codes.reshape(80, -1, 32).double() * scale + minimum).flatten(1)
+    magnitude = (dequantized.abs() + (32 * scale + minimum.abs()).expand(-1, -1, 32).flatten(1)).t()
+    rounded, as_is = x.bfloat16().double(), x.double()
+    read, other = (rounded, as_is) if ops.cpu_kernels.w4a16_rounds_to_bfloat16() else (as_is, rounded)
+    got = _w4a16(x, Int4Weight.quantize(weight)[0])
+    assert got.dtype == torch.float32 and got.shape == (tokens, 80)
+    bound = 64 * 2.0 ** -24 * (read.abs() @ magnitude)
+    assert ((got.double() - read @ dequantized.t()).abs() <= bound).all()
+    assert not ((got.double() - other @ dequantized.t()).abs() <= bound).all()
+
+
+@needs_kernels
 def test_w4a16_gives_a_token_the_same_bits_in_any_step_shape():
     """A token's output does not depend on the tokens beside it: one at a time, in passes of 8 with a
     remainder, in a 64-token chunk (tokens must not depend on how a step was batched or chunked)."""

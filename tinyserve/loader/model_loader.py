@@ -289,8 +289,9 @@ def resolve_quantization(mode: str | None, stored_quantized: bool, dtype: torch.
     """The weight format of `--quantization mode` (config.QUANTIZATION_MODES) for a checkpoint whose linears
     the file stores quantized (stored_quantized) or not; None: the float path. "auto" keeps a GGUF's own codes
     (each type in its own format: layers/linear.py) where our kernels run (CPU). With `--dtype auto`
-    (dtype_flag) that is w4a16 on every CPU, the codes times unrounded float32 activations (auto_activations
-    says so): the default answers as the float model does (README; at bfloat16 activations, and in int4 mode,
+    (dtype_flag) that is w4a16 on every CPU, the codes times float32 activations (auto_activations says so;
+    on AVX512-BF16 CPUs the kernels round a linear's input to bfloat16 for their dot products: csrc/a16_fold.h):
+    the default answers as the float model does (README; at bfloat16 activations, and in int4 mode,
     the README's question got a French answer from the default file). An explicit `--dtype bfloat16` keeps
     int4 mode, an explicit `--dtype float32` the exact reference (dense float32 matrices); a float checkpoint
     and CUDA keep their dtype."""

@@ -185,9 +185,16 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mini
     return _named("tinyserve::int4_matmul", load().int4_matmul, x, codes, scales, minimums, out_features)
 
 
+def w4a16_rounds_to_bfloat16() -> bool:
+    """Whether the W4A16 kernels of 4- to 6-bit codes (all but w8a16_matmul) round x to bfloat16 before their dot
+    products: the fold of csrc/a16_fold.h, on CPUs with AVX512-BF16; elsewhere x stays as it is."""
+    return load().w4a16_rounds_to_bfloat16()
+
+
 def w4a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
-    """int4_matmul with x unrounded: each weight widened to float32, float32 sums (csrc/quantized_matmul_a16.cpp)."""
+    """int4_matmul with x unrounded: each weight widened to float32, float32 sums (csrc/quantized_matmul_a16.cpp);
+    on AVX512-BF16 CPUs x rounded to bfloat16 and bfloat16 dot products (w4a16_rounds_to_bfloat16)."""
     return _named("tinyserve::w4a16_matmul", load().w4a16_matmul, x, codes, scales, minimums, out_features)
 
 

@@ -24,6 +24,7 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 torch::Tensor int8_channel_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                   int64_t out_features);
 torch::Tensor row_argmax(const torch::Tensor& logits);
+bool w4a16_rounds_to_bfloat16();
 torch::Tensor w4a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& minimums, int64_t out_features);
 torch::Tensor w8a16_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -67,7 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "K and V into their slots of the pool (an 8-bit pool's rounded, with a scale per row)",
         py::arg("key"), py::arg("value"), py::arg("key_pool"), py::arg("value_pool"), py::arg("slot_mapping"),
         py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
-  m.def("w4a16_matmul", &w4a16_matmul, "x times an int4 weight, x as it is (float32 sums of widened weights)");
+  m.def("w4a16_rounds_to_bfloat16", &w4a16_rounds_to_bfloat16,
+        "whether the W4A16 kernels of 4- to 6-bit codes round x to bfloat16 (the fold, on AVX512-BF16 CPUs)");
+  m.def("w4a16_matmul", &w4a16_matmul, "x times an int4 weight, x as it is (float32 sums of widened weights; AVX512-BF16: a16_fold.h)");
   m.def("w8a16_matmul", &w8a16_matmul, "x times an int8 weight, x as it is (float32 sums of widened weights)");
   m.def("w4a16_superblock_matmul", &w4a16_superblock_matmul,
         "x times a GGUF Q4_K weight (super-blocks of 256: d, dmin, 6-bit scales and mins), x as it is");

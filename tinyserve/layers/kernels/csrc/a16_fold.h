@@ -1,0 +1,236 @@
+// W4A16 by bfloat16 dot products on AVX512-BF16 CPUs ("the fold"; docs/PERFORMANCE.md "The fold"): the
+// formats of a16_formats.h whose codes have 4 to 6 bits (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K; Q8_0's bytes
+// stay on float32 FMAs). Included by quantized_matmul_a16.cpp alone, inside its anonymous namespace and under
+// its float pragmas.
+//
+// A code c of b bits goes into a bfloat16 as the exact value 2^b + c (its bits: 2^b's exponent, c at the top
+// of the mantissa: a shift and an or, no conversion), two inputs a 32-bit lane. vdpbf16ps multiplies each lane's
+// pair by the activations' bfloat16 pair and adds both products into a float32 sum D of the scale's inputs, 32
+// multiply-adds an instruction (the products are exact: 8 significant bits times at most 7). With
+// w = c * scale + offset,
+//     sum_i x_i w_i = scale * D + (offset - 2^b * scale) * X,   X = sum_i x_i,
+// two FMAs a scale (a group of 32 inputs; Q6_K's 16). The activations are rounded to bfloat16 once, here (x
+// itself where it is bfloat16), and paired as the codes are (FoldedX). A (token, row) sum is the same
+// instructions in the same order in every step shape: fused for a few tokens, staged in L1 for more, so a
+// token's output has the same bits in any step (tests/test_quant.py).
+#pragma once
+
+#if defined(__AVX512BF16__)
+
+template <class Groups>
+constexpr bool kFolds = Groups::kBits == 4;  // nibbles, with or without a high plane
+
+template <class Groups>
+constexpr int kCodeBits = 4 + Groups::kHighBits;
+
+// The activations of a step, rounded to bfloat16 and paired as the codes are: per token, group g and chunk c
+// of 8 inputs, pair j (0..3) = inputs 8c + j (low half) and 8c + 4 + j (high half) at g * 16 + 4c + j; and
+// per token, group and scale, X, the sum of the scale's rounded inputs.
+struct FoldedX {
+  int64_t pairs_per_token, sums_per_token;
+  std::vector<uint32_t> pairs;
+  std::vector<float> sums;
+  const uint32_t* pair(int64_t t, int64_t i) const { return pairs.data() + t * pairs_per_token + i; }
+  float sum(int64_t t, int64_t i) const { return sums[t * sums_per_token + i]; }
+};
+
+template <int Scales>
+FoldedX folded_x(const torch::Tensor& x) {
+  const int64_t tokens = x.size(0), k = x.size(1), groups = k / 32;
+  FoldedX f{k / 2, groups * Scales, std::vector<uint32_t>(tokens * k / 2), std::vector<float>(tokens * groups * Scales)};
+  // word w of a group's pairs is input 8c + j + 4 (w % 2), lane w / 2 = 4c + j
+  alignas(64) static const uint16_t kOrder[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
+                                                  16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const bool is_float = x.scalar_type() == at::kFloat;
+  const float* xf = is_float ? x.data_ptr<float>() : nullptr;
+  const auto* xh = is_float ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = t * k + g * 32;
+      const __m512i halves =  // 32 bfloat16, inputs in order (float32 rounded to nearest even)
+          is_float ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + at + 16), _mm512_loadu_ps(xf + at))
+                   : _mm512_loadu_si512(xh + at);
+      _mm512_storeu_si512(f.pairs.data() + t * (k / 2) + g * 16, _mm512_permutexvar_epi16(order, halves));
+      float part[2];
+      for (int h = 0; h < 2; ++h) {  // inputs 16h .. 16h + 15 widened back to float32 (exact), summed
+        const __m256i sixteen = h == 0 ? _mm512_castsi512_si256(halves) : _mm512_extracti64x4_epi64(halves, 1);
+        part[h] = _mm512_reduce_add_ps((__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(sixteen), 16));
+      }
+      if constexpr (Scales == 2) {
+        f.sums[(t * groups + g) * 2] = part[0];
+        f.sums[(t * groups + g) * 2 + 1] = part[1];
+      } else {
+        f.sums[t * groups + g] = part[0] + part[1];
+      }
+    }
+  return f;
+}
+
+// Pair j (0..3) of a chunk: inputs 8c + j and 8c + 4 + j's codes as 2^b + code, bfloat16, in a lane's halves.
+template <class Groups>
+inline __m512bh folded_pair(const Chunk<Groups>& chunk, int j) {
+  constexpr int kBits = kCodeBits<Groups>, kShift = 7 - kBits;
+  constexpr uint32_t kPower = (127u + kBits) << 7;  // bfloat16 2^b
+  const ulanes pair = (chunk.code(j) << kShift) | (chunk.code(j + 4) << (16 + kShift)) | (kPower | kPower << 16);
+  return reinterpret_cast<__m512bh>(pair);
+}
+
+// acc + the scale's sum: scale * D + (offset - 2^b * scale) * X, in this order.
+template <class Groups>
+inline __m512 folded_scale(__m512 acc, __m512 d, lanes scale, lanes offset, float x_sum) {
+  const __m512 s = reinterpret_cast<__m512>(scale);
+  const __m512 o = _mm512_fnmadd_ps(_mm512_set1_ps(float(1 << kCodeBits<Groups>)), s, reinterpret_cast<__m512>(offset));
+  return _mm512_fmadd_ps(o, _mm512_set1_ps(x_sum), _mm512_fmadd_ps(s, d, acc));
+}
+
+inline __m512 folded_dot(__m512 d, __m512bh pair, const uint32_t* x_pair) {
+  return _mm512_dpbf16_ps(d, pair, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(*x_pair))));
+}
+
+// T tokens (a decode step of a few sequences) times R blocks side by side, straight from registers:
+// sums[r][t * 16 + l].
+template <int T, int R, class Groups>
+void folded_blocks(const uint8_t* const* codes, const Groups* groups, const FoldedX& x, int64_t k, float* const* sums) {
+  using C = Chunk<Groups>;
+  constexpr int kPairs = 16 / Groups::kScales;  // pairs a scale
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int64_t n_groups = k / kGroup;
+  for (int64_t g = 0; g < n_groups; ++g)
+    for (int h = 0; h < Groups::kScales; ++h) {
+      __m512 d[T][R];
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) d[t][r] = _mm512_setzero_ps();
+      for (int c = h * C::kPerScale; c < (h + 1) * C::kPerScale; ++c) {
+        C chunk[R];
+        for (int r = 0; r < R; ++r) chunk[r] = C(codes[r], groups[r], g, c, 0);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          __m512bh pair[R];
+          for (int r = 0; r < R; ++r) pair[r] = folded_pair(chunk[r], j);
+          for (int t = 0; t < T; ++t) {
+            const uint32_t* xp = x.pair(t, g * 16 + 4 * c + j);
+            for (int r = 0; r < R; ++r) d[t][r] = folded_dot(d[t][r], pair[r], xp);
+          }
+        }
+      }
+      static_assert(C::kPerScale * 4 == kPairs);
+      for (int r = 0; r < R; ++r) {
+        lanes scale, offset;
+        groups[r].get(g, h, 0, scale, offset);
+        for (int t = 0; t < T; ++t)
+          acc[t][r] = folded_scale<Groups>(acc[t][r], d[t][r], scale, offset, x.sum(t, g * Groups::kScales + h));
+      }
+    }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[r] + t * kRows, acc[t][r]);
+}
+
+// Blocks b0 .. b0 + count - 1 (count <= R) through folded_blocks, R side by side, the rest fewer at a time.
+template <int T, int R, class Groups, class BlockCodes>
+void folded_run(BlockCodes block_codes, const Groups& weight, const FoldedX& x, int64_t k, int64_t b0, int count,
+                float (*result)[T * kRows]) {
+  if constexpr (R >= 1) {
+    if (count >= R) {
+      const uint8_t* run_codes[R];
+      Groups run_groups[R];
+      float* sums[R];
+      for (int r = 0; r < R; ++r) {
+        run_codes[r] = block_codes(b0 + r);
+        run_groups[r] = weight.at(b0 + r, k / kGroup);
+        sums[r] = result[r];
+      }
+      folded_blocks<T, R>(run_codes, run_groups, x, k, sums);
+      b0 += R, count -= R, result += R;
+    }
+    if constexpr (R > 1) folded_run<T, R / 2>(block_codes, weight, x, k, b0, count, result);
+  }
+}
+
+// Every block of a T-token step (T <= 4), runs of 8 / T blocks (for_each_run).
+template <int T, class Groups, class Out>
+void folded_fused_matmul(const uint8_t* codes, const Groups& weight, const FoldedX& x, int64_t k, int64_t n,
+                         Out* out) {
+  constexpr int R = std::max(1, 8 / T);
+  const int64_t groups = k / kGroup;
+  auto block_codes = [&](int64_t b) { return codes + b * groups * group_bytes<Groups::kBits>(); };
+  for_each_run<T, R>(n, out, [&](int64_t b0, int count, float (*result)[T * kRows]) {
+    folded_run<T, R>(block_codes, weight, x, k, b0, count, result);
+  });
+}
+
+// A block's pairs and scales of up to kChunkGroups groups, for T of the step's tokens from t0: sum[t * 16 + l].
+template <int T, class Groups>
+void folded_multiply(const __m512bh* pairs, const lanes* scales, const lanes* offsets, int64_t g0, int64_t count,
+                     const FoldedX& x, int64_t t0, float* sum) {
+  constexpr int kPairs = 16 / Groups::kScales;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_loadu_ps(sum + (t0 + t) * kRows);
+  for (int64_t g = 0; g < count; ++g)
+    for (int h = 0; h < Groups::kScales; ++h) {
+      __m512 d[T];
+      for (int t = 0; t < T; ++t) d[t] = _mm512_setzero_ps();
+      const int64_t first = (g0 + g) * 16 + h * kPairs;
+      for (int q = 0; q < kPairs; ++q)
+        for (int t = 0; t < T; ++t) d[t] = folded_dot(d[t], pairs[g * 16 + h * kPairs + q], x.pair(t0 + t, first + q));
+      const int64_t s = g * Groups::kScales + h;
+      for (int t = 0; t < T; ++t)
+        acc[t] = folded_scale<Groups>(acc[t], d[t], scales[s], offsets[s], x.sum(t0 + t, (g0 + g) * Groups::kScales + h));
+    }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(sum + (t0 + t) * kRows, acc[t]);
+}
+
+// One block for every token of a longer step: its pairs built once per kChunkGroups groups (8 KiB, in L1),
+// then the tokens kTile at a time.
+template <class Groups>
+void folded_block(const uint8_t* codes, const Groups& groups, const FoldedX& x, int64_t k, int64_t tokens,
+                  float* sum) {
+  using C = Chunk<Groups>;
+  __m512bh pairs[kChunkGroups * 16];
+  lanes scales[kChunkGroups * Groups::kScales], offsets[kChunkGroups * Groups::kScales];
+  std::fill(sum, sum + tokens * kRows, 0.f);
+  const int64_t n_groups = k / kGroup;
+  for (int64_t g0 = 0; g0 < n_groups; g0 += kChunkGroups) {
+    const int64_t count = std::min<int64_t>(kChunkGroups, n_groups - g0);
+    for (int64_t g = 0; g < count; ++g) {
+      for (int h = 0; h < Groups::kScales; ++h)
+        groups.get(g0 + g, h, 0, scales[g * Groups::kScales + h], offsets[g * Groups::kScales + h]);
+      for (int c = 0; c < C::kCount; ++c) {
+        const C chunk(codes, groups, g0 + g, c, 0);
+        for (int j = 0; j < 4; ++j) pairs[g * 16 + 4 * c + j] = folded_pair(chunk, j);
+      }
+    }
+    int64_t t0 = 0;
+    for (; t0 + kTile <= tokens; t0 += kTile) folded_multiply<kTile, Groups>(pairs, scales, offsets, g0, count, x, t0, sum);
+    switch (tokens - t0) {  // the last tokens, fewer than a pass
+      case 1: folded_multiply<1, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      case 2: folded_multiply<2, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      case 3: folded_multiply<3, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      case 4: folded_multiply<4, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      case 5: folded_multiply<5, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      case 6: folded_multiply<6, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      case 7: folded_multiply<7, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
+      default: break;
+    }
+  }
+}
+
+template <class Groups, class Out>
+void folded_matmul(const torch::Tensor& x, const uint8_t* codes, const Groups& weight, int64_t n, Out* out) {
+  const int64_t tokens = x.size(0), k = x.size(1), groups = k / kGroup;
+  const FoldedX folded = folded_x<Groups::kScales>(x);
+  switch (tokens) {
+    case 1: return folded_fused_matmul<1>(codes, weight, folded, k, n, out);
+    case 2: return folded_fused_matmul<2>(codes, weight, folded, k, n, out);
+    case 3: return folded_fused_matmul<3>(codes, weight, folded, k, n, out);
+    case 4: return folded_fused_matmul<4>(codes, weight, folded, k, n, out);
+    default:
+      return tinyserve::for_each_row_block(n, tokens, out, [&](int64_t b, float* sum) {
+        folded_block(codes + b * groups * group_bytes<Groups::kBits>(), weight.at(b, groups), folded, k, tokens, sum);
+      });
+  }
+}
+
+#endif  // __AVX512BF16__
