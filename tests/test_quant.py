@@ -129,15 +129,15 @@ def test_w4a16_kernel_computes_the_dequantized_product_of_unrounded_inputs(out_f
 def test_w4a16_rounds_float32_inputs_to_bfloat16_only_where_the_cpu_folds(tokens):
     """Float32 x: on an AVX512-BF16 CPU (w4a16_rounds_to_bfloat16) the kernel computes the fold of csrc/a16_fold.h,
     x rounded to bfloat16 once; elsewhere x as it is. Against float64 on the values it reads, to float32 sums
-    (the fold's sums carry each code as 16 + code: its bound counts 32 scales more a weight); the other reading
-    of x misses that bound by far."""
+    (the fold's sums carry each code as 128 + code: its bound counts 160 scales more a weight); the other
+    reading of x misses that bound by far."""
     torch.manual_seed(tokens)
     weight = torch.randn(80, 160) * 0.05
     x = torch.randn(tokens, 160)
     codes, scale, minimum = int4_codes(weight)
     scale, minimum = scale.half().double()[..., None], minimum.half().double()[..., None]
     dequantized = (codes.reshape(80, -1, 32).double() * scale + minimum).flatten(1)
-    magnitude = (dequantized.abs() + (32 * scale + minimum.abs()).expand(-1, -1, 32).flatten(1)).t()
+    magnitude = (dequantized.abs() + (160 * scale + minimum.abs()).expand(-1, -1, 32).flatten(1)).t()
     rounded, as_is = x.bfloat16().double(), x.double()
     read, other = (rounded, as_is) if ops.cpu_kernels.w4a16_rounds_to_bfloat16() else (as_is, rounded)
     got = _w4a16(x, Int4Weight.quantize(weight)[0])

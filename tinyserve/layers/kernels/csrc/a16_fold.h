@@ -3,15 +3,18 @@
 // stay on float32 FMAs). Included by quantized_matmul_a16.cpp alone, inside its anonymous namespace and under
 // its float pragmas.
 //
-// A code c of b bits goes into a bfloat16 as the exact value 2^b + c (its bits: 2^b's exponent, c at the top
-// of the mantissa: a shift and an or, no conversion), two inputs a 32-bit lane. vdpbf16ps multiplies each lane's
-// pair by the activations' bfloat16 pair and adds both products into a float32 sum D of the scale's inputs, 32
-// multiply-adds an instruction (the products are exact: 8 significant bits times at most 7). With
-// w = c * scale + offset,
-//     sum_i x_i w_i = scale * D + (offset - 2^b * scale) * X,   X = sum_i x_i,
-// two FMAs a scale (a group of 32 inputs; Q6_K's 16). The activations are rounded to bfloat16 once, here (x
-// itself where it is bfloat16), and paired as the codes are (FoldedX). A (token, row) sum is the same
-// instructions in the same order in every step shape: fused for a few tokens, staged in L1 for more, so a
+// A code c (4 to 6 bits) goes into a bfloat16 as the exact value 128 + c (bits 0x4300 | c: 128's exponent, c
+// in the low mantissa bits), two codes a 32-bit lane: inputs 8c + i and 8c + i + 2 of a chunk, i = 0, 4, 1, 5,
+// which in Int4Weight's nibble order sit at bits 4q and 16 + 4q of a lane (pair q), and in the wide codes'
+// bytes at bytes 0 and 2 of `low` or `high`, shifted by 8 for the second two: a pair is a shift and one
+// and-or. vdpbf16ps multiplies each lane's pair by the activations' bfloat16 pair and adds both products into a
+// float32 sum D of the scale's inputs, 32 multiply-adds an instruction (the products are exact: 8 significant
+// bits times 8). With w = c * scale + offset,
+//     sum_i x_i w_i = scale * D + (offset - 128 * scale) * X,   X = sum_i x_i,
+// two FMAs a scale (a group of 32 inputs; Q6_K's 16). The 128s cancel in float32 (D carries 128 X: ~17 of its
+// 24 bits are left for the codes' part, far below the rounding of x). The activations are rounded to bfloat16
+// once, here (x itself where it is bfloat16), and paired as the codes are (FoldedX). A (token, row) sum is the
+// same instructions in the same order in every step shape: fused for a few tokens, staged in L1 for more, so a
 // token's output has the same bits in any step (tests/test_quant.py).
 #pragma once
 
@@ -20,12 +23,9 @@
 template <class Groups>
 constexpr bool kFolds = Groups::kBits == 4;  // nibbles, with or without a high plane
 
-template <class Groups>
-constexpr int kCodeBits = 4 + Groups::kHighBits;
-
 // The activations of a step, rounded to bfloat16 and paired as the codes are: per token, group g and chunk c
-// of 8 inputs, pair j (0..3) = inputs 8c + j (low half) and 8c + 4 + j (high half) at g * 16 + 4c + j; and
-// per token, group and scale, X, the sum of the scale's rounded inputs.
+// of 8 inputs, pair q (0..3) = inputs 8c + i (low half) and 8c + i + 2 (high half), i = 0, 4, 1, 5, at
+// g * 16 + 4c + q; and per token, group and scale, X, the sum of the scale's rounded inputs.
 struct FoldedX {
   int64_t pairs_per_token, sums_per_token;
   std::vector<uint32_t> pairs;
@@ -38,9 +38,10 @@ template <int Scales>
 FoldedX folded_x(const torch::Tensor& x) {
   const int64_t tokens = x.size(0), k = x.size(1), groups = k / 32;
   FoldedX f{k / 2, groups * Scales, std::vector<uint32_t>(tokens * k / 2), std::vector<float>(tokens * groups * Scales)};
-  // word w of a group's pairs is input 8c + j + 4 (w % 2), lane w / 2 = 4c + j
-  alignas(64) static const uint16_t kOrder[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
-                                                  16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+  // word w of a group's pairs: chunk c = w / 8 holds its even inputs, then its odd ones (pairs (0, 2), (4, 6),
+  // (1, 3), (5, 7))
+  alignas(64) static const uint16_t kOrder[32] = {0,  2,  4,  6,  1,  3,  5,  7,  8,  10, 12, 14, 9,  11, 13, 15,
+                                                  16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31};
   const __m512i order = _mm512_load_si512(kOrder);
   const bool is_float = x.scalar_type() == at::kFloat;
   const float* xf = is_float ? x.data_ptr<float>() : nullptr;
@@ -67,26 +68,32 @@ FoldedX folded_x(const torch::Tensor& x) {
   return f;
 }
 
-// Pair j (0..3) of a chunk: inputs 8c + j and 8c + 4 + j's codes as 2^b + code, bfloat16, in a lane's halves.
+// Pair q (0..3) of a chunk: its inputs' codes as 128 + code, bfloat16, in a lane's halves (FoldedX's order).
 template <class Groups>
-inline __m512bh folded_pair(const Chunk<Groups>& chunk, int j) {
-  constexpr int kBits = kCodeBits<Groups>, kShift = 7 - kBits;
-  constexpr uint32_t kPower = (127u + kBits) << 7;  // bfloat16 2^b
-  const ulanes pair = (chunk.code(j) << kShift) | (chunk.code(j + 4) << (16 + kShift)) | (kPower | kPower << 16);
-  return reinterpret_cast<__m512bh>(pair);
+inline __m512bh folded_pair(const Chunk<Groups>& chunk, int q) {
+  ulanes v;
+  if constexpr (Groups::kHighBits == 0)
+    v = (chunk.low >> (4 * q)) & 0x000F000Fu;  // nibbles: bits 4q and 16 + 4q
+  else
+    v = ((q % 2 == 0 ? chunk.low : chunk.high) >> (8 * (q / 2))) & 0x00FF00FFu;  // bytes 0 and 2, then 1 and 3
+  return reinterpret_cast<__m512bh>(v | 0x43004300u);
 }
 
-// acc + the scale's sum: scale * D + (offset - 2^b * scale) * X, in this order.
-template <class Groups>
+// acc + the scale's sum: scale * D + (offset - 128 * scale) * X, in this order.
 inline __m512 folded_scale(__m512 acc, __m512 d, lanes scale, lanes offset, float x_sum) {
   const __m512 s = reinterpret_cast<__m512>(scale);
-  const __m512 o = _mm512_fnmadd_ps(_mm512_set1_ps(float(1 << kCodeBits<Groups>)), s, reinterpret_cast<__m512>(offset));
+  const __m512 o = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, reinterpret_cast<__m512>(offset));
   return _mm512_fmadd_ps(o, _mm512_set1_ps(x_sum), _mm512_fmadd_ps(s, d, acc));
 }
 
 inline __m512 folded_dot(__m512 d, __m512bh pair, const uint32_t* x_pair) {
   return _mm512_dpbf16_ps(d, pair, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(*x_pair))));
 }
+
+// folded_blocks asks for each block's codes this many groups ahead (1 KiB): R blocks side by side are R streams
+// of codes (and of scales) at once, more than the hardware prefetcher keeps up with; the 1B's one-token linears
+// took 0.79x the time with it, 2 and 4 groups alike, 8 worse (docs/PERFORMANCE.md "The fold").
+constexpr int kPrefetchGroups = 4;
 
 // T tokens (a decode step of a few sequences) times R blocks side by side, straight from registers:
 // sums[r][t * 16 + l].
@@ -98,7 +105,12 @@ void folded_blocks(const uint8_t* const* codes, const Groups* groups, const Fold
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   const int64_t n_groups = k / kGroup;
-  for (int64_t g = 0; g < n_groups; ++g)
+  for (int64_t g = 0; g < n_groups; ++g) {
+    if (g + kPrefetchGroups < n_groups)
+      for (int r = 0; r < R; ++r)
+        for (int line = 0; line < group_bytes<Groups::kBits>(); line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(codes[r]) + (g + kPrefetchGroups) * group_bytes<Groups::kBits>() + line,
+                       _MM_HINT_T0);
     for (int h = 0; h < Groups::kScales; ++h) {
       __m512 d[T][R];
       for (int t = 0; t < T; ++t)
@@ -107,11 +119,11 @@ void folded_blocks(const uint8_t* const* codes, const Groups* groups, const Fold
         C chunk[R];
         for (int r = 0; r < R; ++r) chunk[r] = C(codes[r], groups[r], g, c, 0);
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
+        for (int q = 0; q < 4; ++q) {
           __m512bh pair[R];
-          for (int r = 0; r < R; ++r) pair[r] = folded_pair(chunk[r], j);
+          for (int r = 0; r < R; ++r) pair[r] = folded_pair(chunk[r], q);
           for (int t = 0; t < T; ++t) {
-            const uint32_t* xp = x.pair(t, g * 16 + 4 * c + j);
+            const uint32_t* xp = x.pair(t, g * 16 + 4 * c + q);
             for (int r = 0; r < R; ++r) d[t][r] = folded_dot(d[t][r], pair[r], xp);
           }
         }
@@ -121,9 +133,10 @@ void folded_blocks(const uint8_t* const* codes, const Groups* groups, const Fold
         lanes scale, offset;
         groups[r].get(g, h, 0, scale, offset);
         for (int t = 0; t < T; ++t)
-          acc[t][r] = folded_scale<Groups>(acc[t][r], d[t][r], scale, offset, x.sum(t, g * Groups::kScales + h));
+          acc[t][r] = folded_scale(acc[t][r], d[t][r], scale, offset, x.sum(t, g * Groups::kScales + h));
       }
     }
+  }
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[r] + t * kRows, acc[t][r]);
 }
@@ -177,7 +190,7 @@ void folded_multiply(const __m512bh* pairs, const lanes* scales, const lanes* of
         for (int t = 0; t < T; ++t) d[t] = folded_dot(d[t], pairs[g * 16 + h * kPairs + q], x.pair(t0 + t, first + q));
       const int64_t s = g * Groups::kScales + h;
       for (int t = 0; t < T; ++t)
-        acc[t] = folded_scale<Groups>(acc[t], d[t], scales[s], offsets[s], x.sum(t0 + t, (g0 + g) * Groups::kScales + h));
+        acc[t] = folded_scale(acc[t], d[t], scales[s], offsets[s], x.sum(t0 + t, (g0 + g) * Groups::kScales + h));
     }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(sum + (t0 + t) * kRows, acc[t]);
 }
@@ -199,7 +212,7 @@ void folded_block(const uint8_t* codes, const Groups& groups, const FoldedX& x, 
         groups.get(g0 + g, h, 0, scales[g * Groups::kScales + h], offsets[g * Groups::kScales + h]);
       for (int c = 0; c < C::kCount; ++c) {
         const C chunk(codes, groups, g0 + g, c, 0);
-        for (int j = 0; j < 4; ++j) pairs[g * 16 + 4 * c + j] = folded_pair(chunk, j);
+        for (int q = 0; q < 4; ++q) pairs[g * 16 + 4 * c + q] = folded_pair(chunk, q);
       }
     }
     int64_t t0 = 0;
