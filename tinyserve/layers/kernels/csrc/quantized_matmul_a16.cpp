@@ -14,7 +14,7 @@
 //
 // On a CPU with AVX512-BF16 the formats of 4- to 6-bit codes (all but Int8Weight) take a16_fold.h's path
 // instead: x rounded to bfloat16 once, the codes into bfloat16 pairs as they are, bfloat16 dot products, each
-// group's scale and offset applied once (1.2-1.6x faster; w4a16_rounds_to_bfloat16 says which path a build has).
+// group's scale and offset applied once (1.4-2x faster; w4a16_rounds_to_bfloat16 says which path a build has).
 //
 // The numerics do not depend on the step's shape: each (token, row) sum runs over the inputs in the same
 // order whatever the number of tokens in the step or their tiling (the tokens of a pass share the widened
