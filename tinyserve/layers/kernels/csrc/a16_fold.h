@@ -46,6 +46,7 @@ FoldedX folded_x(const torch::Tensor& x) {
   const bool is_float = x.scalar_type() == at::kFloat;
   const float* xf = is_float ? x.data_ptr<float>() : nullptr;
   const auto* xh = is_float ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+#pragma omp parallel for schedule(static) if (tokens >= 16)  // each token's pairs and sums alone: the same bits
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = t * k + g * 32;
