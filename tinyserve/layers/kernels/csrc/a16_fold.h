@@ -216,18 +216,9 @@ void folded_block(const uint8_t* codes, const Groups& groups, const FoldedX& x, 
         for (int q = 0; q < 4; ++q) pairs[g * 16 + 4 * c + q] = folded_pair(chunk, q);
       }
     }
-    int64_t t0 = 0;
-    for (; t0 + kTile <= tokens; t0 += kTile) folded_multiply<kTile, Groups>(pairs, scales, offsets, g0, count, x, t0, sum);
-    switch (tokens - t0) {  // the last tokens, fewer than a pass
-      case 1: folded_multiply<1, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      case 2: folded_multiply<2, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      case 3: folded_multiply<3, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      case 4: folded_multiply<4, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      case 5: folded_multiply<5, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      case 6: folded_multiply<6, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      case 7: folded_multiply<7, Groups>(pairs, scales, offsets, g0, count, x, t0, sum); break;
-      default: break;
-    }
+    in_passes(tokens, [&](int64_t t0, auto tile) {
+      folded_multiply<decltype(tile)::value, Groups>(pairs, scales, offsets, g0, count, x, t0, sum);
+    });
   }
 }
 

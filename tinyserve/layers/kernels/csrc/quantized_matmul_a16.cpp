@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 
 // Not -ffast-math here: it lets the compiler regroup a lane's chain of sums (for more instructions in
 // flight), and it regrouped them differently for one token than for eight, which made a token's output
@@ -124,6 +125,26 @@ void multiply(const lanes* w, int64_t inputs, const float* x, int64_t k, int64_t
   for (int t = 0; t < T; ++t) __builtin_memcpy(sum + (t0 + t) * kRows, &acc[t], sizeof(acc[t]));
 }
 
+// pass(t0, std::integral_constant<int, T>{}) for a step's tokens kTile at a time from t0 = 0, then for the last
+// ones, fewer than a pass (T a compile-time constant: the passes' sums live in registers).
+template <class Pass>
+void in_passes(int64_t tokens, Pass&& pass) {
+  int64_t t0 = 0;
+  for (; t0 + kTile <= tokens; t0 += kTile) pass(t0, std::integral_constant<int, kTile>{});
+  switch (tokens - t0) {
+    case 1: return pass(t0, std::integral_constant<int, 1>{});
+    case 2: return pass(t0, std::integral_constant<int, 2>{});
+    case 3: return pass(t0, std::integral_constant<int, 3>{});
+    case 4: return pass(t0, std::integral_constant<int, 4>{});
+    case 5: return pass(t0, std::integral_constant<int, 5>{});
+#ifdef __AVX512F__
+    case 6: return pass(t0, std::integral_constant<int, 6>{});
+    case 7: return pass(t0, std::integral_constant<int, 7>{});
+#endif
+    default: return;
+  }
+}
+
 // One block of 16 rows for every token: sum[t * 16 + l] for row l. x is float32 [tokens, K].
 template <class Groups>
 void block(const uint8_t* codes, const Groups& scales, const float* x, int64_t k, int64_t tokens, float* sum) {
@@ -133,20 +154,9 @@ void block(const uint8_t* codes, const Groups& scales, const float* x, int64_t k
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
     const int64_t count = std::min<int64_t>(kChunkGroups, groups - g0), inputs = count * kGroup;
     widen(codes, scales, g0, count, w);
-    int64_t t0 = 0;
-    for (; t0 + kTile <= tokens; t0 += kTile) multiply<kTile>(w, inputs, x, k, g0 * kGroup, t0, sum);
-    switch (tokens - t0) {  // the last tokens, fewer than a pass
-      case 1: multiply<1>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-      case 2: multiply<2>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-      case 3: multiply<3>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-      case 4: multiply<4>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-      case 5: multiply<5>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-#ifdef __AVX512F__
-      case 6: multiply<6>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-      case 7: multiply<7>(w, inputs, x, k, g0 * kGroup, t0, sum); break;
-#endif
-      default: break;
-    }
+    in_passes(tokens, [&](int64_t t0, auto tile) {
+      multiply<decltype(tile)::value>(w, inputs, x, k, g0 * kGroup, t0, sum);
+    });
   }
 }
 
