@@ -80,11 +80,16 @@ inline __m512bh folded_pair(const Chunk<Groups>& chunk, int q) {
   return reinterpret_cast<__m512bh>(v | 0x43004300u);
 }
 
-// acc + the scale's sum: scale * D + (offset - 128 * scale) * X, in this order.
-inline __m512 folded_scale(__m512 acc, __m512 d, lanes scale, lanes offset, float x_sum) {
-  const __m512 s = reinterpret_cast<__m512>(scale);
-  const __m512 o = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, reinterpret_cast<__m512>(offset));
-  return _mm512_fmadd_ps(o, _mm512_set1_ps(x_sum), _mm512_fmadd_ps(s, d, acc));
+// A scale's shift, offset - 128 * scale: what the 128s of its codes add, taken back with X.
+inline lanes folded_shift(lanes scale, lanes offset) {
+  return reinterpret_cast<lanes>(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), reinterpret_cast<__m512>(scale),
+                                                  reinterpret_cast<__m512>(offset)));
+}
+
+// acc + the scale's sum: scale * D + shift * X, in this order.
+inline __m512 folded_scale(__m512 acc, __m512 d, lanes scale, lanes shift, float x_sum) {
+  return _mm512_fmadd_ps(reinterpret_cast<__m512>(shift), _mm512_set1_ps(x_sum),
+                         _mm512_fmadd_ps(reinterpret_cast<__m512>(scale), d, acc));
 }
 
 inline __m512 folded_dot(__m512 d, __m512bh pair, const uint32_t* x_pair) {
@@ -133,8 +138,9 @@ void folded_blocks(const uint8_t* const* codes, const Groups* groups, const Fold
       for (int r = 0; r < R; ++r) {
         lanes scale, offset;
         groups[r].get(g, h, 0, scale, offset);
+        const lanes shift = folded_shift(scale, offset);
         for (int t = 0; t < T; ++t)
-          acc[t][r] = folded_scale(acc[t][r], d[t][r], scale, offset, x.sum(t, g * Groups::kScales + h));
+          acc[t][r] = folded_scale(acc[t][r], d[t][r], scale, shift, x.sum(t, g * Groups::kScales + h));
       }
     }
   }
@@ -175,66 +181,113 @@ void folded_fused_matmul(const uint8_t* codes, const Groups& weight, const Folde
   });
 }
 
-// A block's pairs and scales of up to kChunkGroups groups, for T of the step's tokens from t0: sum[t * 16 + l].
-template <int T, class Groups>
-void folded_multiply(const __m512bh* pairs, const lanes* scales, const lanes* offsets, int64_t g0, int64_t count,
-                     const FoldedX& x, int64_t t0, float* sum) {
-  constexpr int kPairs = 16 / Groups::kScales;
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_loadu_ps(sum + (t0 + t) * kRows);
-  for (int64_t g = 0; g < count; ++g)
-    for (int h = 0; h < Groups::kScales; ++h) {
-      __m512 d[T];
-      for (int t = 0; t < T; ++t) d[t] = _mm512_setzero_ps();
-      const int64_t first = (g0 + g) * 16 + h * kPairs;
-      for (int q = 0; q < kPairs; ++q)
-        for (int t = 0; t < T; ++t) d[t] = folded_dot(d[t], pairs[g * 16 + h * kPairs + q], x.pair(t0 + t, first + q));
-      const int64_t s = g * Groups::kScales + h;
-      for (int t = 0; t < T; ++t)
-        acc[t] = folded_scale(acc[t], d[t], scales[s], offsets[s], x.sum(t0 + t, (g0 + g) * Groups::kScales + h));
-    }
-  for (int t = 0; t < T; ++t) _mm512_storeu_ps(sum + (t0 + t) * kRows, acc[t]);
-}
+// The staged path's tile: 6 tokens times 2 blocks, 12 sums in flight, enough to keep vdpbf16ps' units busy
+// through its latency (one block's 8 tokens left them idle a third of the time: 0.6x oneDNN's bfloat16 rate at
+// 512 tokens).
+constexpr int kFoldTokens = 6;
+constexpr int kFoldBlocks = 2;
 
-// One block for every token of a longer step: its pairs built once per kChunkGroups groups (8 KiB, in L1),
-// then the tokens kTile at a time.
+// One block's pairs of up to kChunkGroups groups (8 KiB, in L1), with their scales and shifts.
 template <class Groups>
-void folded_block(const uint8_t* codes, const Groups& groups, const FoldedX& x, int64_t k, int64_t tokens,
-                  float* sum) {
-  using C = Chunk<Groups>;
+struct StagedChunk {
   __m512bh pairs[kChunkGroups * 16];
-  lanes scales[kChunkGroups * Groups::kScales], offsets[kChunkGroups * Groups::kScales];
-  std::fill(sum, sum + tokens * kRows, 0.f);
-  const int64_t n_groups = k / kGroup;
-  for (int64_t g0 = 0; g0 < n_groups; g0 += kChunkGroups) {
-    const int64_t count = std::min<int64_t>(kChunkGroups, n_groups - g0);
+  lanes scales[kChunkGroups * Groups::kScales], shifts[kChunkGroups * Groups::kScales];
+
+  void stage(const uint8_t* codes, const Groups& groups, int64_t g0, int64_t count) {
+    using C = Chunk<Groups>;
     for (int64_t g = 0; g < count; ++g) {
-      for (int h = 0; h < Groups::kScales; ++h)
-        groups.get(g0 + g, h, 0, scales[g * Groups::kScales + h], offsets[g * Groups::kScales + h]);
+      for (int h = 0; h < Groups::kScales; ++h) {
+        lanes offset;
+        groups.get(g0 + g, h, 0, scales[g * Groups::kScales + h], offset);
+        shifts[g * Groups::kScales + h] = folded_shift(scales[g * Groups::kScales + h], offset);
+      }
       for (int c = 0; c < C::kCount; ++c) {
         const C chunk(codes, groups, g0 + g, c, 0);
         for (int q = 0; q < 4; ++q) pairs[g * 16 + 4 * c + q] = folded_pair(chunk, q);
       }
     }
-    in_passes(tokens, [&](int64_t t0, auto tile) {
-      folded_multiply<decltype(tile)::value, Groups>(pairs, scales, offsets, g0, count, x, t0, sum);
-    });
+  }
+};
+
+// R staged blocks times T of the step's tokens from t0, over the chunk's count groups from g0:
+// sums[r][t * 16 + l] carried on.
+template <int T, int R, class Groups>
+void folded_multiply(const StagedChunk<Groups>* chunks, int64_t g0, int64_t count, const FoldedX& x, int64_t t0,
+                     float* const* sums) {
+  constexpr int kPairs = 16 / Groups::kScales;
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_loadu_ps(sums[r] + (t0 + t) * kRows);
+  for (int64_t g = 0; g < count; ++g)
+    for (int h = 0; h < Groups::kScales; ++h) {
+      __m512 d[T][R];
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) d[t][r] = _mm512_setzero_ps();
+      const int64_t first = (g0 + g) * 16 + h * kPairs;
+      for (int q = 0; q < kPairs; ++q)
+        for (int t = 0; t < T; ++t)
+          for (int r = 0; r < R; ++r)
+            d[t][r] = folded_dot(d[t][r], chunks[r].pairs[g * 16 + h * kPairs + q], x.pair(t0 + t, first + q));
+      const int64_t s = g * Groups::kScales + h;
+      for (int t = 0; t < T; ++t) {
+        const float x_sum = x.sum(t0 + t, (g0 + g) * Groups::kScales + h);
+        for (int r = 0; r < R; ++r)
+          acc[t][r] = folded_scale(acc[t][r], d[t][r], chunks[r].scales[s], chunks[r].shifts[s], x_sum);
+      }
+    }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[r] + (t0 + t) * kRows, acc[t][r]);
+}
+
+// Every token of a longer step: blocks kFoldBlocks at a time (the threads split the runs), each run's pairs
+// staged kChunkGroups groups at a time, then the tokens kFoldTokens at a time.
+template <class Groups, class Out>
+void folded_staged_matmul(const uint8_t* codes, const Groups& weight, const FoldedX& x, int64_t k, int64_t tokens,
+                          int64_t n, Out* out) {
+  const int64_t groups = k / kGroup, blocks = (n + kRows - 1) / kRows;
+  const int64_t runs = (blocks + kFoldBlocks - 1) / kFoldBlocks;
+#pragma omp parallel
+  {
+    std::vector<float> result(kFoldBlocks * tokens * kRows);
+    std::vector<StagedChunk<Groups>> chunks(kFoldBlocks);
+#pragma omp for schedule(static)
+    for (int64_t run = 0; run < runs; ++run) {
+      const int64_t b0 = run * kFoldBlocks;
+      const int count = static_cast<int>(std::min<int64_t>(kFoldBlocks, blocks - b0));
+      float* sums[kFoldBlocks];
+      Groups run_groups[kFoldBlocks];
+      for (int r = 0; r < count; ++r) {
+        sums[r] = result.data() + r * tokens * kRows;
+        run_groups[r] = weight.at(b0 + r, groups);
+      }
+      std::fill(result.begin(), result.end(), 0.f);
+      for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+        const int64_t in_chunk = std::min<int64_t>(kChunkGroups, groups - g0);
+        for (int r = 0; r < count; ++r)
+          chunks[r].stage(codes + (b0 + r) * groups * group_bytes<Groups::kBits>(), run_groups[r], g0, in_chunk);
+        in_passes<kFoldTokens>(tokens, [&](int64_t t0, auto tile) {
+          if (count == kFoldBlocks)
+            folded_multiply<decltype(tile)::value, kFoldBlocks>(chunks.data(), g0, in_chunk, x, t0, sums);
+          else  // the last run: its blocks one at a time
+            for (int r = 0; r < count; ++r)
+              folded_multiply<decltype(tile)::value, 1>(chunks.data() + r, g0, in_chunk, x, t0, sums + r);
+        });
+      }
+      for (int r = 0; r < count; ++r) tinyserve::store_block(n, tokens, b0 + r, sums[r], out);
+    }
   }
 }
 
 template <class Groups, class Out>
 void folded_matmul(const torch::Tensor& x, const uint8_t* codes, const Groups& weight, int64_t n, Out* out) {
-  const int64_t tokens = x.size(0), k = x.size(1), groups = k / kGroup;
+  const int64_t tokens = x.size(0), k = x.size(1);
   const FoldedX folded = folded_x<Groups::kScales>(x);
   switch (tokens) {
     case 1: return folded_fused_matmul<1>(codes, weight, folded, k, n, out);
     case 2: return folded_fused_matmul<2>(codes, weight, folded, k, n, out);
     case 3: return folded_fused_matmul<3>(codes, weight, folded, k, n, out);
     case 4: return folded_fused_matmul<4>(codes, weight, folded, k, n, out);
-    default:
-      return tinyserve::for_each_row_block(n, tokens, out, [&](int64_t b, float* sum) {
-        folded_block(codes + b * groups * group_bytes<Groups::kBits>(), weight.at(b, groups), folded, k, tokens, sum);
-      });
+    default: return folded_staged_matmul(codes, weight, folded, k, tokens, n, out);
   }
 }
 

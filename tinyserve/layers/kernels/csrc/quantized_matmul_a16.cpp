@@ -125,22 +125,24 @@ void multiply(const lanes* w, int64_t inputs, const float* x, int64_t k, int64_t
   for (int t = 0; t < T; ++t) __builtin_memcpy(sum + (t0 + t) * kRows, &acc[t], sizeof(acc[t]));
 }
 
-// pass(t0, std::integral_constant<int, T>{}) for a step's tokens kTile at a time from t0 = 0, then for the last
+// pass(t0, std::integral_constant<int, T>{}) for a step's tokens Tile at a time from t0 = 0, then for the last
 // ones, fewer than a pass (T a compile-time constant: the passes' sums live in registers).
-template <class Pass>
+template <int Tile, class Pass>
 void in_passes(int64_t tokens, Pass&& pass) {
+  static_assert(Tile <= 8);
   int64_t t0 = 0;
-  for (; t0 + kTile <= tokens; t0 += kTile) pass(t0, std::integral_constant<int, kTile>{});
+  for (; t0 + Tile <= tokens; t0 += Tile) pass(t0, std::integral_constant<int, Tile>{});
+  auto last = [&](auto left) {
+    if constexpr (decltype(left)::value < Tile) pass(t0, left);
+  };
   switch (tokens - t0) {
-    case 1: return pass(t0, std::integral_constant<int, 1>{});
-    case 2: return pass(t0, std::integral_constant<int, 2>{});
-    case 3: return pass(t0, std::integral_constant<int, 3>{});
-    case 4: return pass(t0, std::integral_constant<int, 4>{});
-    case 5: return pass(t0, std::integral_constant<int, 5>{});
-#ifdef __AVX512F__
-    case 6: return pass(t0, std::integral_constant<int, 6>{});
-    case 7: return pass(t0, std::integral_constant<int, 7>{});
-#endif
+    case 1: return last(std::integral_constant<int, 1>{});
+    case 2: return last(std::integral_constant<int, 2>{});
+    case 3: return last(std::integral_constant<int, 3>{});
+    case 4: return last(std::integral_constant<int, 4>{});
+    case 5: return last(std::integral_constant<int, 5>{});
+    case 6: return last(std::integral_constant<int, 6>{});
+    case 7: return last(std::integral_constant<int, 7>{});
     default: return;
   }
 }
@@ -154,7 +156,7 @@ void block(const uint8_t* codes, const Groups& scales, const float* x, int64_t k
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
     const int64_t count = std::min<int64_t>(kChunkGroups, groups - g0), inputs = count * kGroup;
     widen(codes, scales, g0, count, w);
-    in_passes(tokens, [&](int64_t t0, auto tile) {
+    in_passes<kTile>(tokens, [&](int64_t t0, auto tile) {
       multiply<decltype(tile)::value>(w, inputs, x, k, g0 * kGroup, t0, sum);
     });
   }
