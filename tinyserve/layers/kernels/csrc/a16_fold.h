@@ -181,10 +181,11 @@ void folded_fused_matmul(const uint8_t* codes, const Groups& weight, const Folde
   });
 }
 
-// The staged path's tile: 6 tokens times 2 blocks, 12 sums in flight, enough to keep vdpbf16ps' units busy
-// through its latency (one block's 8 tokens left them idle a third of the time: 0.6x oneDNN's bfloat16 rate at
-// 512 tokens).
-constexpr int kFoldTokens = 6;
+// The staged path's tile: 8 tokens times 2 blocks, 16 sums in flight, enough to keep vdpbf16ps' units busy
+// through its latency (one block's 8 tokens left them idle: ~0.6x oneDNN's bfloat16 rate at 512 tokens; 6 x 2
+// took 0.76-0.88x its time, 8 x 2 another 0.93-0.97x, 8 x 3 no better; docs/PERFORMANCE.md "The fold's staged
+// tile").
+constexpr int kFoldTokens = 8;
 constexpr int kFoldBlocks = 2;
 
 // One block's pairs of up to kChunkGroups groups (8 KiB, in L1), with their scales and shifts.
